@@ -1,0 +1,94 @@
+"""Typed configuration: structured defaults <- YAML <- ``key=value`` overrides, in struct mode.
+
+A component node is a mapping with a ``type`` key naming a registered component; the rest of
+the node is validated against that component's config dataclass, so a misspelt key fails and
+names the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from specflow.registry import Registry
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the valid choices."""
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def validate(cls: type, node: Any, where: str) -> Any:
+    """Merge ``node`` (mapping or DictConfig) over the defaults of dataclass ``cls`` in struct mode.
+
+    Returns an instance of ``cls``. Unknown keys raise ConfigError naming the valid ones; nested
+    component nodes (fields typed ``Any``) pass through untouched.
+    """
+    node = OmegaConf.create({} if node is None else node) if not isinstance(node, DictConfig) else node
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{where}: expected a mapping, got {OmegaConf.to_yaml(node).strip()!r}")
+    valid = _field_names(cls)
+    unknown = [k for k in node.keys() if k not in valid]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}'; valid keys: {', '.join(valid)}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), node)
+        OmegaConf.set_struct(merged, True)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {e.msg if hasattr(e, 'msg') else e}") from None
+    return obj
+
+
+def component_config(registry: Registry, node: Any, where: str) -> tuple[type, Any]:
+    """Resolve a ``{type: name, **params}`` node to ``(cls, validated config instance)``."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, str):
+        node = {"type": node}
+    if not isinstance(node, dict) or "type" not in node:
+        raise ConfigError(f"{where}: a {registry.kind} node needs a 'type' key; "
+                          f"known types: {', '.join(registry.names())}")
+    params = dict(node)
+    name = params.pop("type")
+    try:
+        cls, config_cls = registry.get(name)
+    except KeyError as e:
+        raise ConfigError(f"{where}.type: {e}") from None
+    return cls, validate(config_cls, params, f"{where} ({registry.kind} '{name}')")
+
+
+def build_component(registry: Registry, node: Any, where: str | None = None, **ctx: Any) -> Any:
+    """Build a registered component from its config node; ``ctx`` is passed to ``from_config``."""
+    where = where or registry.kind
+    cls, cfg = component_config(registry, node, where)
+    return cls.from_config(cfg, **ctx)
+
+
+def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfig:
+    """Read a YAML file and apply ``key=value`` dotlist overrides on top."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    cfg = OmegaConf.load(path)
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override '{bad[0]}' must look like key=value")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    return cfg
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    """Write a resolved config (dataclass, dict or DictConfig) as YAML."""
+    if dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.asdict(cfg)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(cfg), resolve=True))

@@ -1,0 +1,62 @@
+"""The research API: the three component contracts and what flows into drafters from the target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from specflow.sampling import SamplingBatch
+from specflow.tree import DraftTree, Expansion, Frontier, Roots, Verdict
+
+
+@dataclass(frozen=True)
+class TargetNeeds:
+    """Which target features a drafter reads: the final normed hidden state and/or the hidden
+    states entering chosen layers (EAGLE-3 taps), for every committed token."""
+
+    last_hidden: bool = False
+    layer_taps: tuple[int, ...] = ()
+
+
+@dataclass
+class TargetFeatures:
+    """Committed tokens of some requests with their target features.
+
+    After prefill (``Drafter.begin``) the tokens are the prompt; after a step
+    (``Drafter.commit``) they are the accepted path, root first. ``next_tokens`` is the token
+    that follows them (the first sampled token, or the bonus token), which becomes the next root.
+    """
+
+    request_ids: list[int]
+    tokens: list[Tensor]            # per request [n] token ids
+    positions: list[Tensor]         # per request [n]
+    next_tokens: list[int]
+    hidden: list[Tensor] | None = None  # per request [n, H] final normed hidden states
+    taps: list[Tensor] | None = None    # per request [n, len(layer_taps) * H], taps concatenated in order
+    contexts: list[list[int]] = field(default_factory=list)  # all committed ids incl. next token
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    needs: TargetNeeds
+
+    def begin(self, features: TargetFeatures) -> None: ...
+    def expand(self, frontier: Frontier) -> Expansion: ...
+    def commit(self, verdict: Verdict, features: TargetFeatures) -> None: ...
+    def release(self, request_ids: list[int]) -> None: ...
+
+
+@runtime_checkable
+class TreeBuilder(Protocol):
+    num_draft_tokens: int
+
+    def build(self, drafter: Drafter, roots: Roots) -> DraftTree: ...
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    lossless: bool
+
+    def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict: ...

@@ -1,0 +1,116 @@
+"""Registries: the one place where component names map to classes.
+
+Built-in components live in the ``drafters``, ``trees`` and ``verifiers`` packages and register
+through the ``specflow.components`` entry-point group, exactly as a third-party plugin would::
+
+    [project.entry-points."specflow.components"]
+    my_drafters = "my_package.drafters"      # importing the module runs its @register calls
+
+Each registered class carries a dataclass config (``config_cls``); ``from_config`` builds the
+component from a validated instance of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+ENTRY_POINT_GROUP = "specflow.components"
+
+
+class RegistryError(KeyError):
+    """An unknown or duplicate component name."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0])
+
+
+class Registry:
+    """A name -> (class, config dataclass) table for one kind of component.
+
+    ``contract`` is the documentation of what a registered class must do; ``specflow list`` and
+    error messages show it.
+    """
+
+    def __init__(self, kind: str, contract: str):
+        self.kind = kind
+        self.contract = contract
+        self._entries: dict[str, tuple[type, type]] = {}
+
+    def register(self, name: str, config: type) -> Callable[[type], type]:
+        """Class decorator: ``@DRAFTERS.register("ngram", config=NgramConfig)``."""
+        assert dataclasses.is_dataclass(config), f"{name}: config must be a dataclass"
+
+        def wrap(cls: type) -> type:
+            if name in self._entries and self._entries[name][0] is not cls:
+                raise RegistryError(f"{self.kind} '{name}' is already registered "
+                                    f"(by {self._entries[name][0].__module__})")
+            self._entries[name] = (cls, config)
+            cls.config_cls = config
+            cls.type_name = name
+            return cls
+
+        return wrap
+
+    def get(self, name: str) -> tuple[type, type]:
+        """Return ``(cls, config_cls)``; unknown names fail listing the known ones."""
+        load_plugins()
+        if name not in self._entries:
+            raise RegistryError(f"unknown {self.kind} type '{name}'; known: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        load_plugins()
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        load_plugins()
+        return name in self._entries
+
+
+DRAFTERS = Registry("drafter", """\
+A drafter answers "what could follow these tree nodes, and how likely?" (specflow.protocols.Drafter).
+  needs: TargetNeeds            - the target features it reads (none, last hidden, layer taps)
+  begin(requests, target_out)   - new requests after prefill: build per-request state
+  expand(frontier) -> Expansion - top-k children (+ log-probs, + full q when asked) of frontier nodes
+  commit(verdict, target_out)   - the accepted path of each request (+ its target features)
+  release(request_ids)          - forget finished or cancelled requests""")
+
+TREE_BUILDERS = Registry("tree", """\
+A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).
+  num_draft_tokens              - node budget N per request, root included
+  build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs""")
+
+VERIFIERS = Registry("verifier", """\
+A verifier accepts a path of the draft tree against the target (specflow.protocols.Verifier).
+  lossless: bool                - True when the output distribution equals the target's
+  verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token""")
+
+ALL = {"drafter": DRAFTERS, "tree": TREE_BUILDERS, "verifier": VERIFIERS}
+
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import every module of the ``specflow.components`` entry-point group (once)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def describe(cls: type) -> list[tuple[str, str, Any]]:
+    """``(name, type, default)`` of each parameter of a component's config dataclass."""
+    rows = []
+    for f in dataclasses.fields(cls.config_cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "???"
+        rows.append((f.name, getattr(f.type, "__name__", str(f.type)), default))
+    return rows

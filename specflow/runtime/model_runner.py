@@ -1,0 +1,96 @@
+"""ModelRunner: a model, its paged KV cache and an attention backend behind one ``extend`` call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from specflow.runtime.attention import BACKENDS, ForwardBatch
+from specflow.runtime.kv_cache import PagedKVCache
+
+
+@dataclass
+class ExtendOutput:
+    """Outputs of one extend, token-flat and request-major (``offsets[r]`` = first row of request r)."""
+
+    hidden: Tensor              # [T, H] final normed hidden states
+    taps: list[Tensor]          # per tapped layer [T, H]: hidden state entering that layer
+    logits: Tensor | None       # [T, V] ("all"), [B, V] ("last") or None
+    offsets: list[int]
+
+    def rows(self, r: int) -> slice:
+        return slice(self.offsets[r], self.offsets[r + 1])
+
+
+class ModelRunner:
+    """Runs a token-flat model (``forward(input_ids, positions, attn, taps)``) over a paged KV cache.
+
+    Requests are identified by integer ids; their cache entries appear on first ``extend`` and
+    leave with ``release``. ``extend`` raises OutOfPages (with nothing allocated) when the pool
+    is full.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int = 1,
+                 backend: str = "torch"):
+        cfg = model.config
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.dtype = param.dtype
+        self.cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                  num_pages, page_size, dtype=param.dtype, device=param.device)
+        self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window)
+
+    def kv_len(self, request_id: int) -> int:
+        return self.cache.kv_lens.get(request_id, 0)
+
+    @torch.inference_mode()
+    def extend(self, request_ids: list[int], token_ids: list[list[int]] | list[Tensor], *,
+               positions: list[Tensor] | None = None, tree_masks: list[Tensor | None] | None = None,
+               logits: Literal["all", "last", "none"] = "all", taps: tuple[int, ...] = ()) -> ExtendOutput:
+        """Append tokens to each request's cache and run the model over them.
+
+        ``positions`` default to consecutive positions after the cached prefix; tree verification
+        passes depth-based positions and ``tree_masks`` ([q, q] ancestor masks).
+        """
+        tokens = [torch.as_tensor(t, dtype=torch.long).view(-1) for t in token_ids]
+        qo_lens = [len(t) for t in tokens]
+        prefix_lens = [self.kv_len(r) for r in request_ids]
+        self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
+        if positions is None:
+            positions = [torch.arange(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
+        kv_slots = [self.cache.slots(r, 0, p + q) for r, p, q in zip(request_ids, prefix_lens, qo_lens)]
+        batch = ForwardBatch(
+            request_ids=list(request_ids),
+            positions=torch.cat(positions).long(),
+            prefix_lens=prefix_lens,
+            qo_lens=qo_lens,
+            tree_masks=tree_masks or [None] * len(request_ids),
+            slot_mapping=torch.cat([s[p:] for s, p in zip(kv_slots, prefix_lens)]),
+            kv_slots=kv_slots,
+        )
+        self.attn.plan(batch)
+        input_ids = torch.cat(tokens).to(self.device)
+        hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps)
+        for r, p, q in zip(request_ids, prefix_lens, qo_lens):
+            self.cache.kv_lens[r] = p + q
+        offsets = [0]
+        for q in qo_lens:
+            offsets.append(offsets[-1] + q)
+        out_logits = None
+        if logits == "all":
+            out_logits = self.model.compute_logits(hidden)
+        elif logits == "last":
+            out_logits = self.model.compute_logits(hidden[[o - 1 for o in offsets[1:]]])
+        return ExtendOutput(hidden, list(tapped), out_logits, offsets)
+
+    def commit(self, request_id: int, base: int, keep: list[int]) -> None:
+        """Keep the K/V of tree nodes ``keep`` (offsets from logical index ``base``), root first."""
+        self.cache.commit(request_id, base, keep)
+
+    def release(self, request_ids: list[int]) -> None:
+        for r in request_ids:
+            self.cache.release(r)

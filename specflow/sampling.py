@@ -1,0 +1,127 @@
+"""SamplingParams and target-logits processing (temperature -> top-k -> top-p -> min-p)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled. ``temperature=0`` is greedy.
+
+    ``top_k=-1`` keeps every token; ``seed=None`` draws a fresh seed; ``stop`` strings and
+    ``stop_token_ids`` end generation (the stop string itself is not returned); ``ignore_eos``
+    keeps generating past the end-of-sequence token.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 64
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    speculative: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling parameters of a batch as tensors, plus one generator per request."""
+
+    temperature: Tensor   # [B] float
+    top_k: Tensor         # [B] long, -1 = off
+    top_p: Tensor         # [B] float
+    min_p: Tensor         # [B] float
+    generators: list[torch.Generator]
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], generators: list[torch.Generator]) -> "SamplingBatch":
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            generators=generators,
+        )
+
+    @property
+    def greedy(self) -> Tensor:
+        return self.temperature == 0
+
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                             self.min_p[rows], [self.generators[r] for r in rows])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request (seeded, or from fresh entropy when ``seed`` is None)."""
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
+    return g
+
+
+def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
+    """[B, N, V] logits -> [B, N, V] float32 probabilities after temperature, top-k, top-p, min-p.
+
+    Greedy rows (temperature 0) become one-hot at the argmax, so every acceptance rule reduces
+    to "accept iff the draft equals the argmax" for them.
+    """
+    logits = logits.float()
+    b, n, v = logits.shape
+    greedy = sampling.greedy.to(logits.device).view(b, 1, 1)
+    temp = sampling.temperature.to(logits.device).clamp(min=1e-5).view(b, 1, 1)
+    probs = torch.softmax(logits / temp, dim=-1)
+
+    # top-k and top-p on the sorted distribution; the top token always survives
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, N, V]
+    rank = torch.arange(v, device=logits.device).view(1, 1, v)
+    top_k = sampling.top_k.to(logits.device).view(b, 1, 1)
+    drop = (top_k > 0) & (rank >= top_k)
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    top_p = sampling.top_p.to(logits.device).view(b, 1, 1)
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly better tokens
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    min_p = sampling.min_p.to(logits.device).view(b, 1, 1)
+    sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    probs = probs / probs.sum(-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> int:
+    """Draw one token from a [V] distribution with a request's generator."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+
+
+def uniform(generator: torch.Generator) -> float:
+    """One U[0, 1) draw from a request's generator."""
+    return float(torch.rand((), generator=generator))

@@ -1,0 +1,201 @@
+"""The data that flows between drafters, tree builders, verifiers and the engine.
+
+Conventions (every component relies on them):
+- A tree has N nodes per request; node 0 is the root: the last committed token, whose K/V the
+  target has not computed yet. Its position is ``root_position = seq_len - 1``.
+- ``parents[b, i] < i`` for every non-root node (parents precede children); children of a node
+  are ordered by node index.
+- ``mask[b, i, j]`` is True when node j is node i itself or one of its ancestors.
+- Padding nodes (``valid == False``) hang under the root, are never accepted, and their
+  ``tokens`` are 0; a builder that finds fewer than N candidates pads with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class Roots:
+    """Where each request's next tree starts."""
+
+    request_ids: list[int]
+    tokens: Tensor        # [B] root token ids (last committed token)
+    positions: Tensor     # [B] root positions (seq_len - 1)
+    contexts: list[list[int]]  # committed token ids per request, root included (for n-gram lookup)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(slots=True)
+class Frontier:
+    """Nodes of partially built trees that a builder asks a drafter to expand.
+
+    ``tree`` holds the first n nodes built so far (its ``mask`` and ``draft_probs`` may be None);
+    ``nodes[b, f]`` indexes into it, -1 where request b has fewer than F nodes to expand.
+    """
+
+    roots: Roots
+    tree: "DraftTree"
+    nodes: Tensor         # [B, F] int64
+    k: int                # children wanted per node
+    want_probs: bool      # also return the full child distribution q
+
+
+@dataclass(slots=True)
+class Expansion:
+    """A drafter's answer for a Frontier."""
+
+    tokens: Tensor        # [B, F, k] child token ids (any value where logprobs is -inf)
+    logprobs: Tensor      # [B, F, k] log q(child | path), descending; -inf marks "no child"
+    probs: Tensor | None = None  # [B, F, V] full child distribution q, when asked
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees with the same node budget N (see module docstring)."""
+
+    tokens: Tensor        # [B, N] int64
+    parents: Tensor       # [B, N] int64, -1 at the root
+    depth: Tensor         # [B, N] int64, 0 at the root
+    positions: Tensor     # [B, N] int64, root_position + depth
+    scores: Tensor        # [B, N] float32, cumulative draft probability along the path (root 1)
+    valid: Tensor         # [B, N] bool
+    sampled: Tensor       # [B, N] bool: token drawn from q of its parent (else a top-k pick)
+    mask: Tensor | None = None         # [B, N, N] bool ancestor-or-self
+    draft_probs: Tensor | None = None  # [B, N, V] q over the children of each node (sampled drafts)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def root_only(roots: Roots) -> "DraftTree":
+        """The one-node tree of plain autoregressive decoding."""
+        b = roots.batch_size
+        long = dict(dtype=torch.long, device=roots.tokens.device)
+        return DraftTree(
+            tokens=roots.tokens.view(b, 1).long(),
+            parents=torch.full((b, 1), -1, **long),
+            depth=torch.zeros((b, 1), **long),
+            positions=roots.positions.view(b, 1).long(),
+            scores=torch.ones((b, 1), device=roots.tokens.device),
+            valid=torch.ones((b, 1), dtype=torch.bool, device=roots.tokens.device),
+            sampled=torch.zeros((b, 1), dtype=torch.bool, device=roots.tokens.device),
+        ).with_mask()
+
+    def with_mask(self) -> "DraftTree":
+        """Fill ``mask`` from ``parents`` (ancestor-or-self), in depth-many vectorised steps."""
+        self.mask = ancestor_mask(self.parents)
+        return self
+
+    def first_child_next_sibling(self) -> tuple[Tensor, Tensor]:
+        """``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1 for none), children in index order."""
+        b, n = self.parents.shape
+        first_child = torch.full((b, n), -1, dtype=torch.long)
+        next_sibling = torch.full((b, n), -1, dtype=torch.long)
+        parents = self.parents.cpu().tolist()
+        valid = self.valid.cpu().tolist()
+        for r in range(b):
+            last_child: dict[int, int] = {}
+            for i in range(1, n):
+                if not valid[r][i]:
+                    continue
+                p = parents[r][i]
+                if p in last_child:
+                    next_sibling[r, last_child[p]] = i
+                else:
+                    first_child[r, p] = i
+                last_child[p] = i
+        return first_child, next_sibling
+
+    def path_to(self, b: int, node: int) -> list[int]:
+        """Node indices from the root down to ``node`` in request b."""
+        path = []
+        parents = self.parents[b].tolist()
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def check(self) -> None:
+        """Assert the structural invariants (used by tests and debug runs)."""
+        b, n = self.tokens.shape
+        idx = torch.arange(n)
+        assert (self.parents[:, 0] == -1).all(), "node 0 must be the root"
+        if n > 1:
+            assert (self.parents[:, 1:] < idx[1:]).all(), "parents must precede children"
+            assert (self.parents[:, 1:] >= 0).all(), "only the root has no parent"
+            parent_depth = self.depth.gather(1, self.parents[:, 1:].clamp(min=0))
+            assert (self.depth[:, 1:] == parent_depth + 1).all(), "depth = parent depth + 1"
+        assert (self.positions == self.positions[:, :1] + self.depth).all()
+        if self.mask is not None:
+            assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu())
+
+    def to_json(self, b: int) -> dict:
+        """Request b's tree as plain lists (for StepRecord)."""
+        return {
+            "tokens": self.tokens[b].tolist(),
+            "parents": self.parents[b].tolist(),
+            "depth": self.depth[b].tolist(),
+            "scores": [round(s, 6) for s in self.scores[b].float().tolist()],
+            "valid": self.valid[b].tolist(),
+        }
+
+
+def ancestor_mask(parents: Tensor) -> Tensor:
+    """[B, N] parent indices -> [B, N, N] bool, True where column j is row i or its ancestor."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    mask = eye.clone()
+    anc = parents.clone()  # [B, N] current ancestor of each node (-1 when past the root)
+    rows = torch.arange(n, device=parents.device).expand(b, n)
+    while (anc >= 0).any():
+        has = anc >= 0
+        bi, ri = has.nonzero(as_tuple=True)
+        mask[bi, rows[bi, ri], anc[bi, ri]] = True
+        anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), anc)
+    return mask
+
+
+@dataclass
+class Verdict:
+    """What the verifier accepted, per request."""
+
+    accepted: Tensor      # [B, D + 1] node indices on the accepted path, root first, -1 padded
+    accept_len: Tensor    # [B] accepted draft tokens (root excluded); tokens committed = accept_len + 1
+    bonus_tokens: Tensor  # [B] token sampled from the target at the last accepted node
+
+    def accepted_nodes(self, b: int) -> list[int]:
+        n = int(self.accept_len[b]) + 1
+        return self.accepted[b, :n].tolist()
+
+
+@dataclass
+class StepRecord:
+    """One speculative step of one request: tree + verdict + timings; JSON-serialisable."""
+
+    request_id: int
+    step: int
+    tree: dict            # DraftTree.to_json
+    accepted: list[int]   # node indices, root first
+    bonus_token: int
+    timings: dict[str, float]  # seconds per stage: draft, verify (target forward + verifier), commit
+
+    @property
+    def accept_length(self) -> int:
+        """Tokens committed by this step (accepted drafts + bonus)."""
+        return len(self.accepted)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
