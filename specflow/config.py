@@ -21,8 +21,16 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the valid choices."""
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+def _check_keys(cls: type, node: DictConfig, where: str) -> None:
+    """Fail on the first key that ``cls`` (or a nested dataclass field) does not declare."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in node.keys():
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(fields)}")
+        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        value = node[key]
+        if sub is not None and dataclasses.is_dataclass(sub()) and isinstance(value, DictConfig):
+            _check_keys(type(sub()), value, f"{where}.{key}")
 
 
 def validate(cls: type, node: Any, where: str) -> Any:
@@ -34,10 +42,7 @@ def validate(cls: type, node: Any, where: str) -> Any:
     node = OmegaConf.create({} if node is None else node) if not isinstance(node, DictConfig) else node
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{where}: expected a mapping, got {OmegaConf.to_yaml(node).strip()!r}")
-    valid = _field_names(cls)
-    unknown = [k for k in node.keys() if k not in valid]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}'; valid keys: {', '.join(valid)}")
+    _check_keys(cls, node, where)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), node)
         OmegaConf.set_struct(merged, True)

@@ -27,6 +27,8 @@ class Roots:
     tokens: Tensor        # [B] root token ids (last committed token)
     positions: Tensor     # [B] root positions (seq_len - 1)
     contexts: list[list[int]]  # committed token ids per request, root included (for n-gram lookup)
+    generators: list[torch.Generator] | None = None  # per request, for builders that sample drafts
+    greedy: Tensor | None = None  # [B] bool: temperature-0 requests (sampling builders take top-k)
 
     @property
     def batch_size(self) -> int:
@@ -94,6 +96,39 @@ class DraftTree:
             sampled=torch.zeros((b, 1), dtype=torch.bool, device=roots.tokens.device),
         ).with_mask()
 
+    def pad_to(self, n: int) -> "DraftTree":
+        """Append padding nodes (invalid, token 0, under the root) up to n nodes."""
+        b, extra = self.batch_size, n - self.num_nodes
+        assert extra >= 0
+        if extra == 0:
+            return self
+        dev = self.tokens.device
+
+        def grow(x: Tensor, value) -> Tensor:
+            return torch.cat([x, torch.full((b, extra), value, dtype=x.dtype, device=dev)], 1)
+
+        probs = self.draft_probs
+        if probs is not None:
+            probs = torch.cat([probs, probs.new_zeros(b, extra, probs.shape[-1])], 1)
+        depth = grow(self.depth, 1)
+        return DraftTree(grow(self.tokens, 0), grow(self.parents, 0), depth, self.positions[:, :1] + depth,
+                         grow(self.scores, 0.0), grow(self.valid, False), grow(self.sampled, False),
+                         None, probs).with_mask()
+
+    def place(self, rows: list[int], sub: "DraftTree") -> "DraftTree":
+        """A copy of this tree with rows ``rows`` replaced by the rows of ``sub`` (same N)."""
+        assert sub.num_nodes == self.num_nodes
+        out = dataclasses.replace(self)
+        for name in ("tokens", "parents", "depth", "positions", "scores", "valid", "sampled", "mask"):
+            full = getattr(self, name).clone()
+            full[rows] = getattr(sub, name).to(full.dtype)
+            setattr(out, name, full)
+        if sub.draft_probs is not None:
+            full = sub.draft_probs.new_zeros(self.batch_size, *sub.draft_probs.shape[1:])
+            full[rows] = sub.draft_probs
+            out.draft_probs = full
+        return out
+
     def with_mask(self) -> "DraftTree":
         """Fill ``mask`` from ``parents`` (ancestor-or-self), in depth-many vectorised steps."""
         self.mask = ancestor_mask(self.parents)
@@ -102,8 +137,8 @@ class DraftTree:
     def first_child_next_sibling(self) -> tuple[Tensor, Tensor]:
         """``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1 for none), children in index order."""
         b, n = self.parents.shape
-        first_child = torch.full((b, n), -1, dtype=torch.long)
-        next_sibling = torch.full((b, n), -1, dtype=torch.long)
+        first_child = [[-1] * n for _ in range(b)]  # filled as lists: one tensor at the end
+        next_sibling = [[-1] * n for _ in range(b)]
         parents = self.parents.cpu().tolist()
         valid = self.valid.cpu().tolist()
         for r in range(b):
@@ -113,11 +148,12 @@ class DraftTree:
                     continue
                 p = parents[r][i]
                 if p in last_child:
-                    next_sibling[r, last_child[p]] = i
+                    next_sibling[r][last_child[p]] = i
                 else:
-                    first_child[r, p] = i
+                    first_child[r][p] = i
                 last_child[p] = i
-        return first_child, next_sibling
+        return (torch.tensor(first_child, dtype=torch.long).view(b, n),
+                torch.tensor(next_sibling, dtype=torch.long).view(b, n))
 
     def path_to(self, b: int, node: int) -> list[int]:
         """Node indices from the root down to ``node`` in request b."""

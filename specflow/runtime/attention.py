@@ -3,7 +3,9 @@
 Every forward is an *extend*: request r has ``prefix_lens[r]`` tokens already cached and
 appends ``qo_lens[r]`` new tokens at logical indices prefix_len .. prefix_len + qo_len - 1.
 New tokens see the whole prefix and, among themselves, either a causal mask (prefill, decode)
-or a per-request tree mask (verification). Plain decode is qo_len = 1.
+or a per-request tree mask (verification). A tree mask ``[q, m]`` with m >= q covers the last m
+visible tokens (earlier scratch tree nodes, then the new ones), so a drafter expanding a tree
+level by level lets each node see only its ancestors. Plain decode is qo_len = 1.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class ForwardBatch:
     positions: Tensor                 # [T] rope positions of the new tokens
     prefix_lens: list[int]            # cached tokens per request before this forward
     qo_lens: list[int]                # new tokens per request
-    tree_masks: list[Tensor | None]   # per request [q, q] bool among new tokens; None = causal
+    tree_masks: list[Tensor | None]   # per request [q, m >= q] bool over the last m tokens; None = causal
     slot_mapping: Tensor              # [T] pool slot each new token's K/V is written to
     kv_slots: list[Tensor]            # per request [prefix + q] slots of every visible token
 
@@ -58,14 +60,15 @@ class TorchBackend:
         start = 0
         for r, (p, q) in enumerate(zip(batch.prefix_lens, batch.qo_lens)):
             kv_index[r, : p + q] = batch.kv_slots[r]
-            mask[r, :q, :p] = True
             own = batch.tree_masks[r]
             if own is None:
                 own = torch.ones(q, q, dtype=torch.bool).tril_()
-            mask[r, :q, p : p + q] = own
+            m = own.shape[1]
+            mask[r, :q, : p + q - m] = True
+            mask[r, :q, p + q - m : p + q] = own
             mask[r, q:, 0] = True  # padded query rows attend to something; their output is dropped
             pos = batch.positions[start : start + q].cpu()
-            key_pos[r, :p] = torch.arange(p)
+            key_pos[r, :p] = torch.arange(p)  # sliding windows assume committed tokens at their index
             key_pos[r, p : p + q] = pos
             query_pos[r, :q] = pos
             q_rows.append(torch.arange(q) + r * max_q)
@@ -77,26 +80,28 @@ class TorchBackend:
         self.batch = batch
         self.shape = (b, max_q, max_kv)
         self.kv_index = kv_index.to(device)                  # [B, max_kv]
-        self.mask = mask[:, None].to(device)                 # [B, 1, max_q, max_kv]
+        # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
+        bias = torch.zeros(mask.shape, dtype=self.cache.k.dtype).masked_fill_(~mask, float("-inf"))
+        self.mask = bias[:, None].to(device)                 # [B, 1, max_q, max_kv]
         self.q_rows = torch.cat(q_rows).to(device)           # [T]
         self.slot_mapping = batch.slot_mapping.to(device)    # [T]
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the cache first."""
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-        k_pool[self.slot_mapping] = k.to(k_pool.dtype)
-        v_pool[self.slot_mapping] = v.to(v_pool.dtype)
+        k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
         b, max_q, max_kv = self.shape
         t, hq, d = q.shape
-        q_pad = q.new_zeros(b * max_q, hq, d)
-        q_pad[self.q_rows] = q
+        q_pad = q.new_zeros(b * max_q, hq, d).index_copy_(0, self.q_rows, q)
         q_pad = q_pad.view(b, max_q, hq, d).transpose(1, 2)      # [B, Hq, max_q, D]
-        keys = k_pool[self.kv_index].transpose(1, 2)               # [B, Hkv, max_kv, D]
-        values = v_pool[self.kv_index].transpose(1, 2)             # [B, Hkv, max_kv, D]
+        flat = self.kv_index.view(-1)  # index_select: far faster than advanced indexing on CPU
+        keys = k_pool.index_select(0, flat).view(b, max_kv, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, max_kv, D]
+        values = v_pool.index_select(0, flat).view(b, max_kv, *v_pool.shape[1:]).transpose(1, 2)  # [B, Hkv, max_kv, D]
         out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=self.mask, enable_gqa=True)
+                                             attn_mask=self.mask.to(q.dtype), enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * max_q, hq, d)        # [B * max_q, Hq, D]
-        return out[self.q_rows]                                    # [T, Hq, D]
+        return out.index_select(0, self.q_rows)                    # [T, Hq, D]
 
 
 BACKENDS = {"torch": TorchBackend}

@@ -1,0 +1,78 @@
+"""A smaller Llama-family model sharing the target's tokenizer drafts the tree (SpS / SpecInfer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specflow.models import CheckpointError, load_model
+from specflow.protocols import TargetFeatures, TargetNeeds
+from specflow.registry import DRAFTERS
+from specflow.runtime.draft_runner import TreeDraftRunner
+from specflow.runtime.model_runner import ModelRunner
+from specflow.tree import Expansion, Frontier, Verdict
+
+
+@dataclass
+class DraftModelConfig:
+    path: str = "???"               # any Llama-family HF checkpoint with the target's vocabulary
+    kv_cache_tokens: int = 65536    # the draft model's own paged KV pool
+    page_size: int = 1
+
+
+@DRAFTERS.register("draft_model", config=DraftModelConfig)
+class DraftModelDrafter:
+    """Runs a draft model on its own paged KV cache; each ``expand`` feeds the frontier nodes
+    with tree attention, so chains, static trees and EAGLE-2 trees all work."""
+
+    needs = TargetNeeds()
+
+    def __init__(self, model: torch.nn.Module, *, target_vocab_size: int | None = None,
+                 kv_cache_tokens: int = 65536, page_size: int = 1):
+        vocab = model.config.vocab_size
+        if target_vocab_size is not None and vocab != target_vocab_size:
+            raise CheckpointError(f"draft model vocabulary ({vocab}) differs from the target's "
+                                  f"({target_vocab_size}); a draft model must share the tokenizer")
+        self.vocab_size = vocab
+        self.runner = TreeDraftRunner(ModelRunner(model, num_pages=max(1, kv_cache_tokens // page_size),
+                                                  page_size=page_size))
+
+    @classmethod
+    def from_config(cls, cfg: DraftModelConfig, *, vocab_size: int | None = None, device: Any = "cpu",
+                    dtype: Any = torch.float32, **_: Any) -> "DraftModelDrafter":
+        return cls(load_model(cfg.path, device=device, dtype=dtype), target_vocab_size=vocab_size,
+                   kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size)
+
+    def begin(self, features: TargetFeatures) -> None:
+        for rid, tokens in zip(features.request_ids, features.tokens):
+            self.runner.add_pending(rid, tokens.tolist())
+
+    @torch.inference_mode()
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        tokens = torch.zeros(b, f, frontier.k, dtype=torch.long)
+        lps = torch.full((b, f, frontier.k), float("-inf"))
+        probs = torch.zeros(b, f, self.vocab_size) if frontier.want_probs else None
+        batch = self.runner.plan(frontier)
+        if not batch.request_ids:
+            return Expansion(tokens, lps, probs)
+        out = self.runner.extend(batch, logits="none")
+        rows = self.runner.frontier_rows(batch, out)
+        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
+        logprobs = torch.log_softmax(self.runner.runner.model.compute_logits(out.hidden[flat]).float(), -1)  # [R, V]
+        top_lp, top_tok = logprobs.topk(frontier.k, dim=-1)                                                 # [R, k]
+        where = torch.tensor([(bi, fi) for bi, fi, _ in rows]).T
+        tokens[where[0], where[1]] = top_tok.cpu()
+        lps[where[0], where[1]] = top_lp.cpu()
+        if probs is not None:
+            probs[where[0], where[1]] = logprobs.exp().cpu()
+        return Expansion(tokens, lps, probs)
+
+    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
+        for rid, tokens in zip(features.request_ids, features.tokens):
+            self.runner.commit(rid, tokens.tolist())
+
+    def release(self, request_ids: list[int]) -> None:
+        self.runner.release(request_ids)

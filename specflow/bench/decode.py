@@ -1,0 +1,57 @@
+"""Plain-decoding throughput of specflow against ``transformers`` generate, in the same process."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specflow.engine import SpecEngine
+from specflow.sampling import SamplingParams
+
+
+def _timed(fn, repeats: int) -> float:
+    """Best-of-``repeats`` seconds of ``fn()`` after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: int = 64,
+                     prompt_len: int = 32, repeats: int = 3, out: str | None = None) -> list[dict]:
+    """Greedy decoding of ``max_tokens`` tokens per request (EOS ignored) at each batch size."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    engine = SpecEngine(target, device="cpu", dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = engine.model.config.vocab_size
+    rows = []
+    print(f"{'batch':>5} {'specflow tok/s':>15} {'transformers tok/s':>19} {'ratio':>6}")
+    for bs in batch_sizes:
+        prompts = torch.randint(1, vocab, (bs, prompt_len))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ours = _timed(lambda: engine.generate(prompts.tolist(), params), repeats)
+
+        def hf_generate():
+            with torch.inference_mode():
+                hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                            max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+
+        theirs = _timed(hf_generate, repeats)
+        row = {"batch_size": bs, "specflow_tok_s": bs * max_tokens / ours,
+               "transformers_tok_s": bs * max_tokens / theirs, "ratio": theirs / ours}
+        rows.append(row)
+        print(f"{bs:>5} {row['specflow_tok_s']:>15.1f} {row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"target": str(target), "device": "cpu", "max_tokens": max_tokens,
+                                         "prompt_len": prompt_len, "torch_threads": torch.get_num_threads(),
+                                         "rows": rows}, indent=2))
+    return rows

@@ -1,0 +1,163 @@
+"""``specflow run``: pipelines over a prompt suite against the autoregressive baseline of the same run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from specflow.bench.prompts import Prompt, load_suite
+from specflow.bench.report import write_report
+from specflow.config import ConfigError, dump_yaml, load_yaml, validate
+from specflow.engine import SpecEngine, load_tokenizer, resolve_device
+from specflow.models import load_model
+from specflow.pipeline import EngineConfig
+from specflow.sampling import SamplingParams
+
+
+@dataclass
+class PromptsConfig:
+    suite: str = "builtin"                 # "builtin" or a path to a question.jsonl
+    categories: list[str] | None = None
+    per_category: int | None = None
+    chat_template: bool = False            # wrap prompts with the tokenizer's chat template
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "???"
+    drafter: Any = None
+    tree: Any = field(default_factory=lambda: {"type": "chain"})
+    verifier: Any = field(default_factory=lambda: {"type": "rejection"})
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 64
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class ExperimentConfig:
+    """An experiment: a target, a prompt suite, sampling, and the pipelines to compare."""
+
+    name: str = "experiment"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    pipelines: list[Any] = field(default_factory=list)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    batch_size: int = 1                    # requests in flight together
+    warmup: int = 1                        # untimed prompts before each pipeline
+    output_dir: str = "runs"
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tuple[ExperimentConfig, list[PipelineConfig]]:
+    """Validate an experiment YAML (+ overrides); pipelines are validated node by node."""
+    raw = load_yaml(path, overrides)
+    cfg = validate(ExperimentConfig, raw, "experiment")
+    if isinstance(cfg.engine, dict):
+        cfg.engine = validate(EngineConfig, cfg.engine, "engine")
+    pipelines = [validate(PipelineConfig, p, f"pipelines[{i}]") for i, p in enumerate(cfg.pipelines)]
+    names = [p.name for p in pipelines]
+    if len(set(names)) != len(names) or "baseline" in names:
+        raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
+    return cfg, pipelines
+
+
+def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:
+    """Generate every prompt (``cfg.batch_size`` at a time); one row per prompt with its timing."""
+    sampling, batch_size = cfg.sampling, cfg.batch_size
+    texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
+                                                   add_generation_prompt=True) if cfg.prompts.chat_template else p.text
+             for p in prompts]
+    params = [SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                             min_p=sampling.min_p, max_tokens=sampling.max_tokens, seed=sampling.seed + i,
+                             ignore_eos=sampling.ignore_eos) for i in range(len(prompts))]
+    for i in range(min(cfg.warmup, len(prompts))):
+        engine.generate([texts[i]], params[i])
+    rows = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
+        chunk = slice(start, start + batch_size)
+        t0 = time.perf_counter()
+        outs = engine.generate(texts[chunk], params[chunk])
+        seconds = time.perf_counter() - t0
+        for p, out in zip(prompts[chunk], outs):
+            rows.append({"id": p.id, "category": p.category, "seconds": seconds,
+                         "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
+                         "accept_lengths": out.accept_lengths, "token_ids": out.token_ids})
+    return rows
+
+
+def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
+    """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category."""
+
+    def stats(sel: list[dict], base: list[dict] | None) -> dict:
+        tokens = sum(r["tokens"] for r in sel)
+        seconds = sum(r["seconds"] for r in {id(r): r for r in sel}.values())
+        steps = sum(r["steps"] for r in sel)
+        out = {"prompts": len(sel), "tokens": tokens, "accept_length": tokens / max(1, steps),
+               "tokens_per_s": tokens / max(seconds, 1e-9)}
+        if base is not None:
+            base_s = sum(r["tokens"] for r in base) / max(sum(r["seconds"] for r in base), 1e-9)
+            out["speedup"] = out["tokens_per_s"] / base_s
+            out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / max(1, len(sel))
+        return out
+
+    lat = torch.tensor([r["seconds"] for r in rows])
+    summary = stats(rows, baseline)
+    summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
+    summary["categories"] = {}
+    for cat in sorted({r["category"] for r in rows}):
+        sel = [r for r in rows if r["category"] == cat]
+        base = [r for r in baseline if r["category"] == cat] if baseline else None
+        summary["categories"][cat] = stats(sel, base)
+    return summary
+
+
+def run_experiment(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """Run an experiment YAML; writes runs/<name>/{results.json, results.md, config.yaml, *.png}."""
+    cfg, pipelines = load_experiment(path, overrides)
+    out_dir = Path(cfg.output_dir) / cfg.name
+    dump_yaml(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), load_yaml(path, overrides)),
+              out_dir / "config.yaml")
+    e = cfg.engine
+    device, dtype = resolve_device(e.device, e.dtype)
+    model = load_model(e.target, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(e.target)
+    prompts = load_suite(cfg.prompts.suite, cfg.prompts.categories, cfg.prompts.per_category)
+    if cfg.prompts.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("prompts.chat_template: the target's tokenizer has no chat template")
+
+    def engine_for(p: PipelineConfig | None) -> SpecEngine:
+        node = dataclasses.asdict(e) | {"drafter": p.drafter if p else None, "tree": p.tree if p else None,
+                                        "verifier": p.verifier if p else None, "max_batch_size": cfg.batch_size}
+        del node["target"]
+        return SpecEngine(model, tokenizer=tokenizer, **node)
+
+    print(f"{cfg.name}: {len(prompts)} prompts, target {e.target} on {device}/{str(dtype).split('.')[-1]}")
+    baseline = run_pipeline(engine_for(None), prompts, cfg, "baseline")
+    results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
+               "batch_size": cfg.batch_size, "num_prompts": len(prompts),
+               "pipelines": {"baseline": summarize(baseline, None)}}
+    results["pipelines"]["baseline"]["speedup"] = 1.0
+    all_rows = {"baseline": baseline}
+    for p in pipelines:
+        rows = run_pipeline(engine_for(p), prompts, cfg, p.name)
+        results["pipelines"][p.name] = summarize(rows, baseline)
+        results["pipelines"][p.name]["pipeline"] = {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}
+        all_rows[p.name] = rows
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_report(results, all_rows, out_dir)
+    return results

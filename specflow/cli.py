@@ -1,0 +1,95 @@
+"""``specflow run | sweep | bench | list | make-model`` (serve, app, train join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specflow.config import ConfigError
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    from specflow.registry import ALL, describe
+
+    for kind, registry in ALL.items():
+        print(f"== {kind}s ==")
+        print("   " + registry.contract.replace("\n", "\n   "))
+        for name in registry.names():
+            cls, _ = registry.get(name)
+            params = ", ".join(f"{n}={d!r}" for n, _, d in describe(cls))
+            print(f"  {name:<12} {params}")
+        print()
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from specflow.bench.experiment import run_experiment
+
+    run_experiment(args.config, args.overrides)
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from specflow.bench.sweep import run_sweep
+
+    run_sweep(args.config, args.grid, args.overrides)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specflow.bench.decode import run_decode_bench
+
+    run_decode_bench(args.target, batch_sizes=args.batch_sizes, max_tokens=args.max_tokens,
+                     prompt_len=args.prompt_len, repeats=args.repeats)
+
+
+def cmd_make_model(args: argparse.Namespace) -> None:
+    from specflow.models.random import make_random_checkpoint
+
+    make_random_checkpoint(args.out, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                           vocab_size=args.vocab_size, seed=args.seed)
+    print(f"wrote a random-weight Llama checkpoint with a BPE tokenizer to {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="registered drafters, tree builders and verifiers")
+    p.set_defaults(fn=cmd_list)
+
+    p = sub.add_parser("run", help="run a YAML experiment against the same-run baseline")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("sweep", help="grid over tree parameters; prints the best configuration")
+    p.add_argument("config")
+    p.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("bench", help="plain-decoding tokens/s against transformers generate")
+    p.add_argument("target")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("make-model", help="write a small random-weight Llama checkpoint (+ tokenizer)")
+    p.add_argument("out")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_model)
+
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"specflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""SpecEngine: prefill, then speculative steps (draft -> build tree -> verify -> commit)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specflow.config import ConfigError, load_yaml, validate
+from specflow.models import LlamaForCausalLM, load_model
+from specflow.pipeline import EngineConfig, Pipeline
+from specflow.protocols import TargetFeatures
+from specflow.request import Request, RequestOutput
+from specflow.runtime.kv_cache import OutOfPages
+from specflow.runtime.model_runner import ExtendOutput, ModelRunner
+from specflow.sampling import SamplingBatch, SamplingParams, sample, target_probs
+from specflow.scheduler import Scheduler
+from specflow.tree import DraftTree, Roots, StepRecord, Verdict
+
+
+def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """``"auto"`` picks cuda + bfloat16 when a GPU is present, else cpu + float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: '{dtype}' is not one of auto, float32, bfloat16, float16")
+        dtype = getattr(torch, dtype)
+    return device, dtype
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    path = Path(path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class SpecEngine:
+    """Speculative decoding over a target model with continuous batching.
+
+    ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
+    speedup). Component nodes are ``{"type": name, **params}`` mappings (see ``specflow list``).
+    """
+
+    def __init__(self, target: str | Path | LlamaForCausalLM, drafter: Any = None, tree: Any = None,
+                 verifier: Any = None, *, tokenizer: Any = None,
+                 device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "torch",
+                 page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
+                 spec_max_batch_size: int | None = None, record_steps: bool = False):
+        if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
+            self.model, self.tokenizer = target, tokenizer
+            param = next(target.parameters())
+            self.device, self.dtype = param.device, param.dtype
+        else:
+            self.device, self.dtype = resolve_device(device, dtype)
+            self.model = load_model(target, device=self.device, dtype=self.dtype)
+            self.tokenizer = tokenizer or load_tokenizer(target)
+        self.runner = ModelRunner(self.model, num_pages=max(1, kv_cache_tokens // page_size),
+                                  page_size=page_size, backend=backend)
+        self.pipeline = Pipeline.from_config(
+            drafter, tree if tree is not None else {"type": "chain"},
+            verifier if verifier is not None else {"type": "rejection"},
+            target=self.runner, vocab_size=self.model.config.vocab_size,
+            device=self.device, dtype=self.dtype)
+        self.drafter = self.pipeline.drafter
+        self.tree_builder = self.pipeline.tree
+        self.verifier = self.pipeline.verifier
+        num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
+        self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
+        self.spec_max_batch_size = spec_max_batch_size
+        self.record_steps = record_steps
+        self.eos_token_ids = list(self.model.config.eos_token_ids)
+        self._ids = itertools.count()
+        self._requests: dict[int, Request] = {}
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
+        return cls(cfg.target, cfg.drafter, cfg.tree, cfg.verifier, device=cfg.device, dtype=cfg.dtype,
+                   backend=cfg.backend, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
+                   max_batch_size=cfg.max_batch_size, spec_max_batch_size=cfg.spec_max_batch_size,
+                   record_steps=cfg.record_steps)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":
+        """Build from an engine YAML (the ``engine:`` section of an experiment, or a bare one)."""
+        cfg = load_yaml(path, overrides)
+        node = cfg.engine if "engine" in cfg else cfg
+        return cls.from_config(validate(EngineConfig, node, "engine"))
+
+    # ----------------------------------------------------------------------------------------
+    # public API
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; it joins the running batch at the next step that has room."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        limit = self.model.config.max_position_embeddings
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context length ({limit})")
+        req = Request(next(self._ids), ids, params, self.eos_token_ids)
+        if not self.scheduler.fits_alone(req):
+            raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "
+                             f"raise kv_cache_tokens")
+        self.scheduler.add(req)
+        self._requests[req.id] = req
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request and free its KV pages and drafter state at once."""
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outputs: dict[int, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while len(outputs) < len(ids):
+            for out in self.step():
+                outputs[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [outputs[i] for i in ids]
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this target has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def _decode_fn(self):
+        return self.decode if self.tokenizer is not None else None
+
+    # ----------------------------------------------------------------------------------------
+    # the step
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: prefill newly admitted requests, then one speculative step over the
+        running batch. Returns the outputs of requests that finished in it."""
+        finished = self._prefill(self.scheduler.admit())
+        while self.scheduler.running:
+            batch = list(self.scheduler.running)
+            roots = self._roots(batch)
+            t0 = time.perf_counter()
+            tree = self._draft(batch, roots)
+            t1 = time.perf_counter()
+            try:
+                out = self._target_forward(batch, tree)
+            except OutOfPages:
+                finished += self._preempt()
+                continue
+            verdict = self.verifier.verify(tree, self._tree_logits(tree, out), self._sampling(batch))
+            t2 = time.perf_counter()
+            timings = {"draft": t1 - t0, "verify": t2 - t1}
+            finished += self._commit(batch, tree, verdict, out, timings)
+            break
+        return finished
+
+    def _roots(self, batch: list[Request]) -> Roots:
+        seqs = [r.seq for r in batch]
+        return Roots(
+            request_ids=[r.id for r in batch],
+            tokens=torch.tensor([s[-1] for s in seqs]),
+            positions=torch.tensor([len(s) - 1 for s in seqs]),
+            contexts=seqs,
+            generators=[r.generator for r in batch],
+            greedy=torch.tensor([r.params.greedy for r in batch]),
+        )
+
+    def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
+        """The tree of every request; requests that do not speculate get the root only."""
+        plain = DraftTree.root_only(roots)
+        on = self.drafter is not None and (self.spec_max_batch_size is None
+                                           or len(batch) <= self.spec_max_batch_size)
+        rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
+        if not rows:
+            return plain
+        if len(rows) == len(batch):
+            return self.tree_builder.build(self.drafter, roots)
+        return plain.pad_to(self.tree_builder.num_draft_tokens).place(
+            rows, self.tree_builder.build(self.drafter, roots.select(rows)))
+
+    def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
+        """One batched target pass over every tree (only up to each request's last valid node)."""
+        n_send = (tree.valid.long() * torch.arange(1, tree.num_nodes + 1)).amax(1).tolist()
+        needs = self.drafter.needs if self.drafter else None
+        return self.runner.extend(
+            [r.id for r in batch],
+            [tree.tokens[b, :n] for b, n in enumerate(n_send)],
+            positions=[tree.positions[b, :n] for b, n in enumerate(n_send)],
+            tree_masks=[tree.mask[b, :n, :n] for b, n in enumerate(n_send)],
+            taps=needs.layer_taps if needs else ())
+
+    def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
+        if tree.num_nodes == 1:
+            return out.logits[:, None]                                       # [B, 1, V]
+        logits = out.logits.new_zeros(tree.batch_size, tree.num_nodes, out.logits.shape[-1])
+        for b in range(tree.batch_size):
+            rows = out.rows(b)
+            logits[b, : rows.stop - rows.start] = out.logits[rows]          # [n_b, V]
+        return logits                                                        # [B, N, V]
+
+    def _sampling(self, batch: list[Request]) -> SamplingBatch:
+        return SamplingBatch.from_params([r.params for r in batch], [r.generator for r in batch])
+
+    def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict,
+                out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
+        """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter."""
+        finished, live = [], []
+        for b, req in enumerate(batch):
+            accepted = verdict.accepted_nodes(b)
+            base = req.seq_len - 1
+            self.runner.commit(req.id, base, accepted)
+            new = tree.tokens[b, accepted[1:]].tolist() + [int(verdict.bonus_tokens[b])]
+            req.accept_lengths.append(req.append(new, self._decode_fn))
+            if self.record_steps:
+                req.steps.append(StepRecord(req.id, len(req.steps), tree.to_json(b), accepted,
+                                            new[-1], timings))
+            if req.finished:
+                finished.append(self._finish(req))
+            else:
+                live.append((b, req, accepted))
+        if self.drafter is not None and live:
+            rows = [b for b, _, _ in live]
+            sub = Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
+            self.drafter.commit(sub, self._features(
+                [req for _, req, _ in live],
+                [[out.offsets[b] + i for i in acc] for b, _, acc in live],
+                out, [len(acc) + 1 for _, _, acc in live]))
+        return finished
+
+    def _features(self, reqs: list[Request], rows: list[list[int]], out: ExtendOutput,
+                  num_new: list[int]) -> TargetFeatures:
+        """Target features of the committed tokens ``rows`` (flat rows of ``out``) of each request;
+        the tokens are the last ``len(rows) + 1`` of the sequence minus the newest (the next root)."""
+        needs = self.drafter.needs
+        tokens, positions = [], []
+        for req, n in zip(reqs, num_new):
+            start = req.seq_len - n
+            tokens.append(torch.tensor(req.seq[start:-1]))
+            positions.append(torch.arange(start, req.seq_len - 1))
+        return TargetFeatures(
+            request_ids=[r.id for r in reqs], tokens=tokens, positions=positions,
+            next_tokens=[r.seq[-1] for r in reqs],
+            hidden=[out.hidden[rw] for rw in rows] if needs.last_hidden else None,
+            taps=[torch.cat([t[rw] for t in out.taps], -1) for rw in rows] if needs.layer_taps else None,
+            contexts=[r.seq for r in reqs])
+
+    def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Compute the K/V of each admitted request's sequence but its last token (the first root).
+
+        New requests sample their first token from the prompt's last logits; requests resumed
+        after preemption already have it.
+        """
+        if not reqs:
+            return []
+        fresh = [not r.output_ids for r in reqs]
+        inputs = [r.prompt_ids if f else r.seq[:-1] for r, f in zip(reqs, fresh)]
+        needs = self.drafter.needs if self.drafter else None
+        try:
+            out = self.runner.extend([r.id for r in reqs], inputs, logits="last",
+                                     taps=needs.layer_taps if needs else ())
+        except OutOfPages:
+            self.scheduler.requeue(reqs)
+            return []
+        probs = target_probs(out.logits[:, None], self._sampling(reqs))[:, 0]    # [B, V]
+        finished, live = [], []
+        for b, (req, f) in enumerate(zip(reqs, fresh)):
+            if f:
+                req.append([sample(probs[b], req.generator)], self._decode_fn)
+            if req.finished:
+                finished.append(self._finish(req))
+            else:
+                live.append((b, req, len(inputs[b])))
+        if self.drafter is not None and live:
+            self.drafter.begin(self._features(
+                [req for _, req, _ in live],
+                [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
+                out, [n + 1 for _, _, n in live]))
+        return finished
+
+    def _preempt(self) -> list[RequestOutput]:
+        """Out of pages mid-step: requeue the newest request, or stop a lone one that cannot grow."""
+        if len(self.scheduler.running) == 1:
+            req = self.scheduler.running[0]
+            req.finish_reason = "length"
+            return [self._finish(req)]
+        req = self.scheduler.preempt()
+        self.runner.release([req.id])
+        if self.drafter is not None:
+            self.drafter.release([req.id])
+        return []
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.scheduler.finish(req)
+        self.runner.release([req.id])
+        if self.drafter is not None:
+            self.drafter.release([req.id])
+        self._requests.pop(req.id, None)
+        return req.output(self._decode_fn)

@@ -1,0 +1,153 @@
+"""A native, token-flat Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+Parameter names follow Hugging Face checkpoints (``model.layers.{i}.self_attn.q_proj.weight``,
+...), so a checkpoint's state dict loads as it is. The model never touches the KV cache: each
+attention layer hands rotated q/k and v to ``attn.forward(layer_idx, q, k, v)``, and the
+attention backend (planned by the runner for this forward) caches, masks and attends.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specflow.models.config import ModelConfig
+from specflow.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from specflow.runtime.attention import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE; attention itself is delegated."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.forward(self.layer_idx, q, k, v)                     # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))                          # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (the ``model.`` prefix of HF checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over token-flat batches, for every supported ``cfg.arch``.
+
+    ``forward(input_ids [T], positions [T], attn, taps)`` returns the final normed hidden states
+    ``[T, H]`` and, for each index in ``taps``, the hidden state entering that layer ``[T, H]``
+    (HF ``hidden_states[i]``; ``i = num_hidden_layers`` is the final normed state).
+    ``compute_logits`` applies the LM head.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
+                taps: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+        num_layers = self.config.num_hidden_layers
+        if any(not 0 <= i <= num_layers for i in taps):
+            raise ValueError(f"taps {taps} must be layer indices in 0..{num_layers} "
+                             f"(this model has {num_layers} layers)")
+        h = self.model.embed_tokens(input_ids)                          # [T, H]
+        cos, sin = self.model.rotary_emb(positions, h.dtype)            # [T, D] each
+        tapped: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in taps:
+                tapped[i] = h
+            h = layer(h, cos, sin, attn)
+        h = self.model.norm(h)
+        tapped[num_layers] = h
+        return h, [tapped[i] for i in taps]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[..., H] -> [..., V]."""
+        return self.lm_head(hidden)

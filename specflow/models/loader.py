@@ -1,0 +1,131 @@
+"""Load and save Hugging Face checkpoint directories as native Llama-family models.
+
+A directory holds ``config.json`` and weights in one of: ``model.safetensors``; shards listed
+by ``model.safetensors.index.json``; ``pytorch_model.bin``; shards listed by
+``pytorch_model.bin.index.json``. The model is built on the meta device (no random init) and
+each tensor is assigned once, already in the target dtype and device, so loading a large model
+never holds two copies of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from specflow.models.config import CheckpointError, ModelConfig
+from specflow.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some exporters saved
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str = torch.float32) -> LlamaForCausalLM:
+    """Load a checkpoint directory; ``dtype`` is a torch dtype, its name, or "auto" (the checkpoint's).
+
+    ``config.eos_token_ids`` also holds the stop tokens of generation_config.json when there is one.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json; point to a Hugging Face checkpoint directory")
+    hf = json.loads(config_file.read_text())
+    cfg = ModelConfig.from_hf(hf)
+    cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
+    dtype = resolve_dtype(dtype, hf)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    state: dict[str, Tensor] = {}
+    problems, unexpected, misshapen = [], [], set()
+    for name, tensor in _read_tensors(path, device):
+        if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            unexpected.append(name)
+        elif tensor.shape != expected[name]:
+            misshapen.add(name)
+            problems.append(f"{name} has shape {list(tensor.shape)} in the checkpoint but the config "
+                            f"expects {list(expected[name])}")
+        else:
+            state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+    missing = sorted(set(expected) - set(state) - misshapen)
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match its config.json ({cfg.arch}): "
+                              + "; ".join(problems))
+    result = model.load_state_dict(state, strict=False, assign=True)
+    assert result.missing_keys == (["lm_head.weight"] if cfg.tie_word_embeddings else []), result
+    model.tie_weights()
+    return model.to(device).eval()
+
+
+def resolve_dtype(dtype: torch.dtype | str, hf: dict) -> torch.dtype:
+    """A torch dtype from a dtype, its name, or "auto" (config's ``dtype``/``torch_dtype``, else float32)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif dtype == "auto":
+        name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    else:
+        name = dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)} or 'auto'")
+    return DTYPES[name]
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """Stop tokens of generation_config.json (chat checkpoints list extra ones there, e.g. Llama 3's
+    <|eot_id|>)."""
+    file = path / "generation_config.json"
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, tensor) from whichever weight layout the directory uses, shard by shard
+    (safetensors straight onto ``device``, .bin files memory-mapped on the CPU)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = path / index_name
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            break
+        if (path / single).is_file():
+            files = [single]
+            break
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors, model.safetensors.index.json, "
+                              f"pytorch_model.bin or pytorch_model.bin.index.json")
+    for file in files:
+        if not (path / file).is_file():
+            raise CheckpointError(f"{path / file} is listed in the weight index but does not exist")
+        if file.endswith(".safetensors"):
+            with safe_open(path / file, framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(path / file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def save_model(model: LlamaForCausalLM, path: str | Path) -> None:
+    """Write ``config.json`` (transformers-compatible) and ``model.safetensors`` to ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf = {**model.config.to_hf(), "dtype": dtype, "torch_dtype": dtype}
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})

@@ -1,0 +1,62 @@
+"""Pipeline graphs: drafter -> tree builder -> verifier, built from config nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specflow.config import ConfigError, build_component
+from specflow.protocols import Drafter, TreeBuilder, Verifier
+from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``SpecEngine`` needs; the top level of an engine YAML.
+
+    ``drafter: null`` is plain autoregressive decoding. ``spec_max_batch_size`` turns
+    speculation off for steps whose batch is larger (None: never).
+    """
+
+    target: str = "???"
+    drafter: Any = None
+    tree: Any = field(default_factory=lambda: {"type": "chain"})
+    verifier: Any = field(default_factory=lambda: {"type": "rejection"})
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "torch"
+    page_size: int = 1
+    kv_cache_tokens: int = 65536
+    max_batch_size: int = 32
+    spec_max_batch_size: int | None = None
+    record_steps: bool = False
+
+
+@dataclass
+class Pipeline:
+    """A speculative pipeline; ``drafter is None`` means plain decoding (the root-only tree)."""
+
+    drafter: Drafter | None
+    tree: TreeBuilder | None
+    verifier: Verifier
+
+    @staticmethod
+    def from_config(drafter: Any, tree: Any, verifier: Any, **ctx: Any) -> "Pipeline":
+        """Build the graph from config nodes; ``ctx`` (target runner, vocab size, ...) reaches
+        every component's ``from_config``."""
+        if verifier is None:
+            raise ConfigError("verifier: a verifier node is required; known types: "
+                              + ", ".join(VERIFIERS.names()))
+        built_verifier = build_component(VERIFIERS, verifier, "verifier", **ctx)
+        if drafter is None:
+            return Pipeline(None, None, built_verifier)
+        if tree is None:
+            raise ConfigError("tree: a drafter needs a tree node; known types: "
+                              + ", ".join(TREE_BUILDERS.names()))
+        return Pipeline(build_component(DRAFTERS, drafter, "drafter", **ctx),
+                        build_component(TREE_BUILDERS, tree, "tree", **ctx), built_verifier)
+
+    def describe(self) -> str:
+        if self.drafter is None:
+            return "autoregressive"
+        return f"{self.drafter.type_name} x {self.tree.type_name} x {self.verifier.type_name}"

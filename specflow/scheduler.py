@@ -1,0 +1,70 @@
+"""Continuous batching: which requests run this step, admission by free KV pages, preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specflow.request import Request, Status
+from specflow.runtime.kv_cache import PagedKVCache
+
+
+class Scheduler:
+    """Requests wait in FIFO order and run while the batch and the KV pool have room.
+
+    A request is admitted when the pool can hold its sequence plus one tree of ``num_draft_tokens``
+    nodes. When a step runs out of pages, the newest running request is preempted: its KV is
+    freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+    """
+
+    def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int):
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.num_draft_tokens = num_draft_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests that fit into the running batch; returns them (to be prefilled)."""
+        admitted = []
+        free = self.cache.allocator.num_free
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            need = self.cache.pages_needed(self.waiting[0].seq_len + self.num_draft_tokens)
+            if need > free:
+                break
+            free -= need
+            req = self.waiting.popleft()
+            req.status = Status.RUNNING
+            admitted.append(req)
+        self.running.extend(admitted)
+        return admitted
+
+    def preempt(self) -> Request:
+        """Take the newest running request back to the front of the queue."""
+        req = self.running.pop()
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        return req
+
+    def requeue(self, reqs: list[Request]) -> None:
+        """Send just-admitted requests back to the front of the queue, in order."""
+        for req in reversed(reqs):
+            self.running.remove(req)
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def fits_alone(self, req: Request) -> bool:
+        """Whether the whole pool could ever hold this request's next step."""
+        return self.cache.pages_needed(req.seq_len + self.num_draft_tokens) <= self.cache.allocator.num_pages

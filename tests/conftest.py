@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny random-weight targets written to disk as real HF checkpoints."""
+
+import pytest
+
+from specflow.models.random import make_random_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A 2-layer Llama with a BPE tokenizer; large init so greedy argmaxes are far from ties."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    return make_random_checkpoint(path, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                  vocab_size=320, initializer_range=0.3, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread per test process: on small shared CPUs, thread contention makes tiny
+    kernels many times slower (pytest -n 2 already uses both cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,75 @@
+"""Registries, typed configs and experiment YAML validation (every shipped config included)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specflow.bench.experiment import load_experiment
+from specflow.config import ConfigError, build_component, component_config, load_yaml
+from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS, Registry, RegistryError
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+
+
+def test_builtins_register_through_entry_points():
+    assert {"ngram", "draft_model", "union", "fallback"} <= set(DRAFTERS.names())
+    assert {"chain", "static", "eagle2", "bfs"} <= set(TREE_BUILDERS.names())
+    assert {"greedy", "rejection", "threshold", "typical"} <= set(VERIFIERS.names())
+
+
+def test_unknown_type_lists_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown tree type 'chian'; known: bfs, chain, eagle2, static"):
+        component_config(TREE_BUILDERS, {"type": "chian"}, "tree")
+
+
+def test_wrong_parameter_names_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown key 'dept'; valid keys: .*depth"):
+        build_component(TREE_BUILDERS, {"type": "chain", "dept": 3}, "tree")
+
+
+def test_wrong_value_type_names_key():
+    with pytest.raises(ConfigError, match="depth"):
+        build_component(TREE_BUILDERS, {"type": "chain", "depth": "deep"}, "tree")
+
+
+def test_num_draft_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        build_component(TREE_BUILDERS, {"type": "eagle2", "num_draft_tokens": 0}, "tree")
+
+
+def test_duplicate_registration_fails():
+    reg = Registry("thing", "a test registry")
+
+    @dataclass
+    class Cfg:
+        x: int = 1
+
+    @reg.register("a", config=Cfg)
+    class A:
+        pass
+
+    with pytest.raises(RegistryError, match="already registered"):
+        @reg.register("a", config=Cfg)
+        class B:
+            pass
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = load_yaml(path)
+    if "pipelines" in cfg:
+        _, pipelines = load_experiment(path)
+        for p in pipelines:
+            if p.drafter is not None:
+                component_config(DRAFTERS, p.drafter, f"{p.name}.drafter")
+                build_component(TREE_BUILDERS, p.tree, f"{p.name}.tree")
+            build_component(VERIFIERS, p.verifier, f"{p.name}.verifier")
+
+
+def test_experiment_typo_and_override(tmp_path):
+    path = CONFIGS[0]
+    with pytest.raises(ConfigError, match="unknown key 'max_tokenz'"):
+        load_experiment(path, ["sampling.max_tokenz=3"])
+    cfg, _ = load_experiment(path, ["sampling.max_tokens=3"])
+    assert cfg.sampling.max_tokens == 3

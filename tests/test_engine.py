@@ -1,0 +1,115 @@
+"""SpecEngine with plain decoding: equal to transformers, batching-invariant, stop handling, KV pressure."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specflow import SamplingParams, SpecEngine
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90, 91, 92, 300]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    return SpecEngine(tiny_target, device="cpu", dtype="float32")
+
+
+def test_greedy_equals_transformers_generate(engine, tiny_target):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    outs = engine.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                          min_new_tokens=24, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+        assert out.finish_reason == "length" and out.accept_lengths == [1] * 23  # first token comes from prefill
+
+
+def test_batched_equals_one_at_a_time(engine):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
+    together = engine.generate(PROMPTS, params)
+    alone = [engine.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert [len(o.token_ids) for o in together] == [5, 30, 12]
+
+
+def test_requests_join_between_steps(engine):
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    outputs = {}
+    for _ in range(5):
+        outputs.update({o.request_id: o for o in engine.step()})
+    later = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step()})
+    assert [outputs[i].token_ids for i in [first, *later]] == alone
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    assert engine.generate(PROMPTS[:1], unseeded)[0].token_ids != engine.generate(PROMPTS[:1], unseeded)[0].token_ids
+
+
+def test_text_in_text_out_and_stop_string(engine):
+    free = engine.generate("def main():", GREEDY)[0]
+    assert free.text == engine.decode(free.token_ids)
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip(), "pick a stop string that occurs in the free output"
+    cut = engine.generate("def main():", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
+    assert stop in engine.decode(cut.token_ids) and stop not in engine.decode(cut.token_ids[:-1])
+
+
+def test_stop_token_ids_and_eos(engine):
+    free = engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    tok = free[5]
+    out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok]))[0]
+    assert out.token_ids == free[: free.index(tok) + 1] and out.finish_reason == "stop"
+    engine.eos_token_ids, saved = [tok], engine.eos_token_ids
+    try:
+        eos = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        ignored = engine.generate(PROMPTS[:1], GREEDY)[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert eos.token_ids == out.token_ids and len(ignored.token_ids) == 24
+
+
+def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, engine):
+    expected = [o.token_ids for o in engine.generate(PROMPTS * 2, GREEDY)]
+    small = SpecEngine(tiny_target, device="cpu", dtype="float32", kv_cache_tokens=80, page_size=4)
+    outs = small.generate(PROMPTS * 2, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert small.runner.cache.num_pages_used == 0
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        small.add_request(list(range(1, 100)), GREEDY)
+
+
+def test_abort_frees_pages(engine):
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    assert engine.runner.cache.num_pages_used > 0
+    engine.abort(rid)
+    assert engine.runner.cache.num_pages_used == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+])
+def test_sampling_params_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_errors(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=10_000))
