@@ -23,3 +23,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory, tiny_target):
+    """A differently seeded random model with the target's vocabulary (a poor but valid drafter)."""
+    path = tmp_path_factory.mktemp("tiny-draft")
+    return make_random_checkpoint(path, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  vocab_size=320, initializer_range=0.3, seed=1, tokenizer=False)
