@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from specflow.bench.prompts import Prompt, load_suite
 from specflow.bench.report import write_report
-from specflow.config import ConfigError, dump_yaml, load_yaml, validate
+from specflow.config import ConfigError, component_config, dump_yaml, load_yaml, validate
 from specflow.engine import SpecEngine, load_tokenizer, resolve_device
 from specflow.models import load_model
 from specflow.pipeline import EngineConfig
+from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
 from specflow.sampling import SamplingParams
 
 
@@ -70,6 +70,11 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     if isinstance(cfg.engine, dict):
         cfg.engine = validate(EngineConfig, cfg.engine, "engine")
     pipelines = [validate(PipelineConfig, p, f"pipelines[{i}]") for i, p in enumerate(cfg.pipelines)]
+    for p in pipelines:  # fail on a bad component node now, not after the baseline has run
+        for registry, node, key in ((DRAFTERS, p.drafter, "drafter"), (TREE_BUILDERS, p.tree, "tree"),
+                                    (VERIFIERS, p.verifier, "verifier")):
+            if node is not None:
+                component_config(registry, node, f"pipelines[{p.name}].{key}")
     names = [p.name for p in pipelines]
     if len(set(names)) != len(names) or "baseline" in names:
         raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
@@ -96,6 +101,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
         for p, out in zip(prompts[chunk], outs):
             rows.append({"id": p.id, "category": p.category, "seconds": seconds,
                          "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
+                         "step_tokens": sum(out.accept_lengths),
                          "accept_lengths": out.accept_lengths, "token_ids": out.token_ids})
     return rows
 
@@ -107,7 +113,8 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
         tokens = sum(r["tokens"] for r in sel)
         seconds = sum(r["seconds"] for r in {id(r): r for r in sel}.values())
         steps = sum(r["steps"] for r in sel)
-        out = {"prompts": len(sel), "tokens": tokens, "accept_length": tokens / max(1, steps),
+        out = {"prompts": len(sel), "tokens": tokens,
+               "accept_length": sum(r["step_tokens"] for r in sel) / max(1, steps),
                "tokens_per_s": tokens / max(seconds, 1e-9)}
         if base is not None:
             base_s = sum(r["tokens"] for r in base) / max(sum(r["seconds"] for r in base), 1e-9)
@@ -129,8 +136,14 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
 def run_experiment(path: str | Path, overrides: list[str] | None = None) -> dict:
     """Run an experiment YAML; writes runs/<name>/{results.json, results.md, config.yaml, *.png}."""
     cfg, pipelines = load_experiment(path, overrides)
+    return execute(cfg, pipelines)
+
+
+def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
+    """Run the baseline and every pipeline over the prompt suite, write the results directory."""
     out_dir = Path(cfg.output_dir) / cfg.name
-    dump_yaml(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), load_yaml(path, overrides)),
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dump_yaml(dataclasses.asdict(cfg) | {"pipelines": [dataclasses.asdict(p) for p in pipelines]},
               out_dir / "config.yaml")
     e = cfg.engine
     device, dtype = resolve_device(e.device, e.dtype)
@@ -160,4 +173,6 @@ def run_experiment(path: str | Path, overrides: list[str] | None = None) -> dict
         all_rows[p.name] = rows
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_report(results, all_rows, out_dir)
+    print((out_dir / "results.md").read_text())
+    print(f"wrote {out_dir}/")
     return results

@@ -1,0 +1,63 @@
+"""``specflow sweep``: a grid over pipeline parameters (like SGLang's bench_speculative)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from pathlib import Path
+
+from specflow.bench.experiment import PipelineConfig, execute, load_experiment
+from specflow.config import ConfigError
+
+
+def parse_grid(grid: list[str]) -> dict[str, list]:
+    """``["tree.topk=2,4", "tree.depth=3,5"]`` -> ``{"tree.topk": [2, 4], "tree.depth": [3, 5]}``."""
+    axes = {}
+    for item in grid:
+        key, _, values = item.partition("=")
+        if not values or key.split(".")[0] not in ("drafter", "tree", "verifier"):
+            raise ConfigError(f"--grid '{item}' must look like tree.topk=2,4 (drafter., tree. or verifier. keys)")
+        axes[key] = [_number(v) for v in values.split(",")]
+    return axes
+
+
+def _number(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[PipelineConfig]:
+    """One pipeline per point of the grid, named by its parameter values."""
+    out = []
+    for values in itertools.product(*axes.values()):
+        p = copy.deepcopy(base)
+        for key, value in zip(axes, values):
+            section, _, param = key.partition(".")
+            node = getattr(p, section)
+            if not isinstance(node, dict):
+                raise ConfigError(f"--grid {key}: the pipeline has no {section} node")
+            node[param] = value
+        p.name = ",".join(f"{k.split('.', 1)[1]}={v}" for k, v in zip(axes, values))
+        out.append(p)
+    return out
+
+
+def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = None) -> dict:
+    """Sweep the first pipeline of an experiment over ``grid``; prints the best configuration."""
+    cfg, pipelines = load_experiment(path, overrides)
+    if not pipelines:
+        raise ConfigError("sweep: the experiment has no pipelines to sweep")
+    axes = parse_grid(grid)
+    cfg = dataclasses.replace(cfg, name=f"{cfg.name}-sweep")
+    results = execute(cfg, grid_pipelines(pipelines[0], axes))
+    ranked = sorted(((n, s) for n, s in results["pipelines"].items() if n != "baseline"),
+                    key=lambda item: item[1]["speedup"], reverse=True)
+    best, stats = ranked[0]
+    print(f"best: {best}  (speedup {stats['speedup']:.2f}x, accept length {stats['accept_length']:.2f})")
+    results["best"] = best
+    return results
