@@ -15,7 +15,9 @@ class SamplingParams:
 
     ``top_k=-1`` keeps every token; ``seed=None`` draws a fresh seed; ``stop`` strings and
     ``stop_token_ids`` end generation (the stop string itself is not returned); ``ignore_eos``
-    keeps generating past the end-of-sequence token.
+    keeps generating past the end-of-sequence token. ``logprobs=n`` records, for every committed
+    token, its log-probability under the target and the ``n`` most likely alternatives
+    (``None``: not recorded).
     """
 
     temperature: float = 1.0
@@ -28,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculative: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -36,6 +39,7 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -48,6 +52,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One committed token's log-probability under the target, with the most likely alternatives
+    ``top`` as ``(token_id, logprob)`` pairs, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -94,6 +108,9 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     """
     logits = logits.float()
     b, n, v = logits.shape
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if bool(sampling.greedy.all()):
+        return one_hot
     greedy = sampling.greedy.to(logits.device).view(b, 1, 1)
     temp = sampling.temperature.to(logits.device).clamp(min=1e-5).view(b, 1, 1)
     probs = torch.softmax(logits / temp, dim=-1)
@@ -112,8 +129,6 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     probs = probs / probs.sum(-1, keepdim=True)
-
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 
@@ -125,3 +140,14 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
 def uniform(generator: torch.Generator) -> float:
     """One U[0, 1) draw from a request's generator."""
     return float(torch.rand((), generator=generator))
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens`` [T] under the raw target distribution of each row of
+    ``logits`` [T, V] (before temperature, top-k, top-p and min-p: the model's own numbers, the
+    same for greedy and sampled requests), with the ``top_n`` most likely tokens of each row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)                                    # [T, V]
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]   # [T]
+    top_lp, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)                     # [T, n]
+    return [TokenLogprob(t, lp, list(zip(ids, lps)))
+            for t, lp, ids, lps in zip(tokens, chosen.tolist(), top_ids.tolist(), top_lp.tolist())]

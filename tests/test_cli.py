@@ -1,0 +1,20 @@
+"""The command line: `specflow list` and `specflow make-model`."""
+
+from specflow.cli import main
+from specflow.models import load_model
+
+
+def test_list_prints_components_with_parameters(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "== drafters ==" in out and "== trees ==" in out and "== verifiers ==" in out
+    assert "eagle2       topk=8, depth=5, num_draft_tokens=32" in out
+    assert "threshold    threshold_single=1.0, threshold_acc=1.0" in out
+    assert "expand(frontier) -> Expansion" in out  # the registry's contract
+
+
+def test_make_model_writes_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "m"
+    assert main(["make-model", str(out), "--hidden-size", "32", "--num-layers", "1", "--vocab-size", "300"]) == 0
+    model = load_model(out)
+    assert model.config.vocab_size == 300 and (out / "tokenizer.json").exists()

@@ -1,0 +1,111 @@
+"""EAGLE-2 dynamic tree: a beam of the top-k nodes by cumulative draft probability, then a
+global rerank of every candidate to N nodes (EAGLE ``topK_genrate``, SGLang
+``select_top_k_tokens`` + ``organize_draft_results``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specflow.protocols import Drafter
+from specflow.registry import TREE_BUILDERS
+from specflow.tree import DraftTree, Roots
+from trees.growth import GrowingTree
+
+
+@dataclass
+class Eagle2Config:
+    topk: int = 8                # children per expanded node, and the beam width
+    depth: int = 5               # levels of candidates (drafter calls)
+    num_draft_tokens: int = 32   # N, root included
+
+
+@TREE_BUILDERS.register("eagle2", config=Eagle2Config)
+class Eagle2Builder:
+    """Beam search over the drafter, then keep the N - 1 best candidates.
+
+    Step 0 expands the root with k = topk. Each further step expands the whole frontier (topk
+    nodes) at once, scores each of the topk^2 children as parent score x child probability,
+    records them all as candidates and keeps the global top-k as the next frontier. After
+    ``depth`` levels, the N - 1 best candidates (over 1 + topk + (depth - 1) topk^2) are kept,
+    sorted by candidate index so parents precede children. Candidates without a child (-inf) or
+    with a NaN score are never kept; when fewer than N - 1 remain the tree is padded.
+    """
+
+    def __init__(self, topk: int = 8, depth: int = 5, num_draft_tokens: int = 32):
+        checks = [
+            (topk >= 1, f"topk must be >= 1, got {topk}"),
+            (depth >= 1, f"depth must be >= 1, got {depth}"),
+            (num_draft_tokens >= 1, f"num_draft_tokens must be >= 1 (root included), got {num_draft_tokens}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"eagle2 tree: {message}")
+        self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
+
+    @classmethod
+    def from_config(cls, cfg: Eagle2Config, **_) -> "Eagle2Builder":
+        return cls(topk=cfg.topk, depth=cfg.depth, num_draft_tokens=cfg.num_draft_tokens)
+
+    def build(self, drafter: Drafter, roots: Roots) -> DraftTree:
+        b, k, dev = roots.batch_size, self.topk, roots.tokens.device
+        grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
+        frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, F], F = 1 then k
+        for _ in range(self.depth):
+            f = frontier.shape[1]
+            tokens, logprobs, sampled = grow.expand(drafter, frontier, k)  # [B, F, k]
+            first = grow.size
+            grow.add(frontier.repeat_interleave(k, dim=1), tokens.flatten(1), logprobs.flatten(1),
+                     sampled.flatten(1))
+            cols = first + torch.arange(f * k, device=dev)                   # this step's children
+            best = top_candidates(grow.logscores[:, cols], k)                # [B, k] into cols
+            frontier = torch.where(best >= 0, cols[best.clamp(min=0)], -1)
+        return rerank(grow, self.num_draft_tokens)
+
+
+def top_candidates(logscores: Tensor, n: int) -> Tensor:
+    """Indices [B, n] of the n best of [B, C] log-scores, -1 where fewer than n are real.
+
+    -inf (no child) and NaN never count; ties go to the earlier candidate (stable sort), so a
+    child that ties its parent never displaces it.
+    """
+    keys = logscores.masked_fill(logscores.isnan(), float("-inf"))
+    keys, order = keys.sort(dim=-1, descending=True, stable=True)
+    keys, order = keys[:, :n], order[:, :n]
+    if order.shape[1] < n:  # fewer candidates than asked
+        pad = n - order.shape[1]
+        keys = torch.cat([keys, keys.new_full((keys.shape[0], pad), float("-inf"))], 1)
+        order = torch.cat([order, order.new_zeros(order.shape[0], pad)], 1)
+    return torch.where(keys > float("-inf"), order, -1)
+
+
+def rerank(grow: GrowingTree, n: int) -> DraftTree:
+    """The root plus the n - 1 best candidates of ``grow``, in candidate order, parents re-indexed.
+
+    Scores never rise down a path and ties go to the earlier candidate, so every kept node's
+    parent is kept and, being an earlier candidate, gets a smaller new index.
+    """
+    cand = grow.tree(grow.capacity)
+    b, c = cand.tokens.shape
+    best = top_candidates(grow.logscores[:, 1:c], n - 1)          # [B, n-1] into columns 1..c-1
+    keep = best >= 0
+    cols = torch.where(keep, best + 1, c).sort(dim=-1).values      # ascending; padding (c) last
+    keep = cols < c
+    root = cols.new_zeros(b, 1)
+    cols_all = torch.cat([root, cols.clamp(max=c - 1)], 1)         # [B, n] with the root first
+    keep_all = torch.cat([root >= 0, keep], 1)
+    new_index = torch.zeros(b, c + 1, dtype=torch.long, device=cols.device)  # candidate -> node
+    new_index.scatter_(1, torch.cat([root, cols], 1), torch.arange(n, device=cols.device).expand(b, n))
+    parents = new_index.gather(1, cand.parents.gather(1, cols_all).clamp(min=0))
+    parents[:, 0] = -1
+
+    def take(x: Tensor, pad) -> Tensor:
+        return torch.where(keep_all, x.gather(1, cols_all), pad)
+
+    depth = take(cand.depth, 1)
+    return DraftTree(
+        tokens=take(cand.tokens, 0), parents=torch.where(keep_all, parents, 0), depth=depth,
+        positions=cand.positions[:, :1] + depth, scores=take(cand.scores, 0.0),
+        valid=keep_all, sampled=take(cand.sampled, False)).with_mask()

@@ -1,0 +1,130 @@
+"""Lossless tree rejection sampling: one rule for chains and trees, sampled or top-k drafts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specflow.registry import VERIFIERS
+from specflow.sampling import SamplingBatch, target_probs, uniform
+from specflow.tree import DraftTree, Verdict
+from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
+
+
+@dataclass
+class RejectionConfig:
+    pass
+
+
+@VERIFIERS.register("rejection", config=RejectionConfig)
+class RejectionVerifier:
+    """Speculative sampling over the tree: the committed tokens follow the target exactly.
+
+    At the current node, with residual target p (the processed probs there), try its children
+    in index order. Child x was proposed from q_x: the drafter's q at the parent when it was
+    sampled (``tree.sampled``), else the point mass at x (a top-k pick: EAGLE / SGLang
+    "target-only"). Then
+      accept x   with probability min(1, p(x) / q_x(x))          (u * q_x(x) < p(x))
+      reject x:  p <- norm(max(0, p - q_x)),
+                 and for a sampled x (drawn without replacement): q(x) <- 0, q <- norm(q)
+    and on acceptance continue at x with its own p and q. When every child is rejected (or
+    the node is a leaf) the bonus token is sampled from the residual p. For a sampled chain
+    this is Leviathan et al.; for sampled siblings, Sequoia's rule; for top-k siblings the
+    point-mass residual is p with the rejected tokens removed.
+
+    The walk goes one depth at a time over all requests, so the p and q rows that sampled
+    children need come to the host in one copy per depth.
+    """
+
+    lossless = True
+
+    @classmethod
+    def from_config(cls, cfg: RejectionConfig, **_) -> "RejectionVerifier":
+        return cls()
+
+    def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
+        probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
+        p_draft = draft_token_probs(probs, tree)       # [B, N] p(x) at x's parent, on the host
+        host = HostTree.of(tree)
+        b = tree.batch_size
+        paths = [[0] for _ in range(b)]
+        residuals: list[Residual | None] = [None] * b
+        active = list(range(b))
+        while active:
+            dense = [r for r in active if any(host.sampled[r][c] for c in host.children(r, paths[r][-1]))]
+            rows = self._host_rows(probs, tree, dense, [paths[r][-1] for r in dense])
+            still = []
+            for r in active:
+                child, res = self._try_children(host, r, paths[r][-1], p_draft[r], rows.get(r),
+                                                sampling.generators[r])
+                if child is None:
+                    residuals[r] = res
+                else:
+                    paths[r].append(child)
+                    still.append(r)
+            active = still
+        bonus = sample_bonus(probs, residuals, sampling.generators)
+        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
+
+    @staticmethod
+    def _host_rows(probs: Tensor, tree: DraftTree, reqs: list[int], nodes: list[int]) -> dict[int, np.ndarray]:
+        """{request: [2, V] float64 (p, q) at its node}, in one device->host copy."""
+        if not reqs:
+            return {}
+        assert tree.draft_probs is not None, "sampled nodes need tree.draft_probs"
+        r, n = torch.tensor(reqs, device=probs.device), torch.tensor(nodes, device=probs.device)
+        pq = torch.stack([probs[r, n], tree.draft_probs[r, n].to(probs)], 1).cpu().double().numpy()  # [R, 2, V]
+        return dict(zip(reqs, pq))
+
+    @staticmethod
+    def _try_children(host: HostTree, b: int, node: int, p_draft: list[float], pq: np.ndarray | None,
+                      g: torch.Generator) -> tuple[int | None, Residual]:
+        """Run the rule over the children of ``node``: the accepted child (or None) and the residual."""
+        res = Residual(node)
+        rest = 1.0          # lazy residual (point masses only): p without res.zeroed, over `rest`
+        p = q = None        # dense residual and q, once a sampled child is tried
+        for c in host.children(b, node):
+            x, u = host.tokens[b][c], uniform(g)
+            if host.sampled[b][c]:
+                if q is None:  # the processed p sums to 1 unless point masses were rejected
+                    p, q = pq[0].copy(), pq[1].copy()
+                    if res.zeroed:
+                        p[res.zeroed] = 0.0
+                        p = _normalised(p, pq[0])
+                # accept with prob min(1, p(x) / q(x)); '<' so that p(x) = 0 never passes
+                if u * q[x] < p[x]:
+                    return c, res
+                p = _normalised(np.maximum(p - q, 0.0), pq[0])
+                q[x] = 0.0  # drawn without replacement: x cannot come again
+                q = _normalised(q, q)
+            elif p is not None:
+                # point mass at x on the dense residual: accept with prob p(x), else p loses x
+                if u < p[x]:
+                    return c, res
+                p[x] = 0.0
+                p = _normalised(p, pq[0])
+            else:
+                # the same on the lazy residual: p(x) / rest unless x is already out
+                px = 0.0 if x in res.zeroed else p_draft[c]
+                if u * rest < px:
+                    return c, res
+                if x not in res.zeroed:
+                    res.zeroed.append(x)
+                    rest -= px
+                    if rest <= 0.0:  # nothing left (rounding): fall back to p
+                        res.zeroed, rest = [], 1.0
+        if p is not None:
+            res.dense = torch.from_numpy(p)
+        return None, res
+
+
+def _normalised(x: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """x / sum(x); when x has no mass left, ``fallback`` (normalised if it has mass)."""
+    total = x.sum()
+    if total > 0.0:
+        return x / total
+    total = fallback.sum()
+    return fallback / total if total > 0.0 else fallback

@@ -1,0 +1,70 @@
+"""Medusa's typical acceptance: accept drafts the target finds plausible enough (lossy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specflow.registry import VERIFIERS
+from specflow.sampling import SamplingBatch, target_probs
+from specflow.tree import DraftTree, Verdict
+from verifiers.walk import HostTree, Residual, make_verdict, sample_bonus
+
+
+@dataclass
+class TypicalConfig:
+    epsilon: float = 0.09  # hard probability floor (Medusa's posterior_threshold)
+    delta: float = 0.3     # entropy-scaled floor, about sqrt(epsilon) (Medusa's posterior_alpha)
+
+
+@VERIFIERS.register("typical", config=TypicalConfig)
+class TypicalVerifier:
+    """Accept a draft x when the target finds it typical, not when a coin says so:
+
+      p = softmax(logits / T) at the parent (no top-k / top-p),  H = entropy of p
+      accept x  iff  p(x) > min(epsilon, delta * exp(-H))
+
+    taking the first passing child in index order at each depth. Temperature-0 requests walk
+    greedily (accept iff x is the argmax). The bonus is sampled from the processed target
+    distribution at the last accepted node. Lossy: the output is not the target's distribution.
+    """
+
+    lossless = False
+
+    def __init__(self, epsilon: float = 0.09, delta: float = 0.3):
+        if not 0.0 < epsilon < 1.0:
+            raise ValueError(f"typical verifier: epsilon must be in (0, 1), got {epsilon}")
+        if delta <= 0.0:
+            raise ValueError(f"typical verifier: delta must be > 0, got {delta}")
+        self.epsilon, self.delta = epsilon, delta
+
+    @classmethod
+    def from_config(cls, cfg: TypicalConfig, **_) -> "TypicalVerifier":
+        return cls(epsilon=cfg.epsilon, delta=cfg.delta)
+
+    def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
+        logits = target_logits.float()
+        b, n, v = logits.shape
+        temp = sampling.temperature.to(logits.device).clamp(min=1e-5).view(b, 1, 1)
+        p = torch.softmax(logits / temp, dim=-1)                                   # [B, N, V]
+        floor = torch.clamp(self.delta * torch.exp(-torch.special.entr(p).sum(-1)), max=self.epsilon)  # [B, N]
+        parents = tree.parents.clamp(min=0)                                         # [B, N]
+        p_draft = p.reshape(b, n * v).gather(1, parents * v + tree.tokens)          # [B, N]
+        typical = p_draft > floor.gather(1, parents)
+        greedy = sampling.greedy.to(logits.device).view(b, 1)
+        is_argmax = tree.tokens == logits.argmax(-1).gather(1, parents)
+        passes = torch.where(greedy, is_argmax, typical).cpu().tolist()             # [B, N]
+
+        host = HostTree.of(tree)
+        paths, residuals = [], []
+        for r in range(b):
+            node, path = 0, [0]
+            while (nxt := next((c for c in host.children(r, node) if passes[r][c]), None)) is not None:
+                node = nxt
+                path.append(node)
+            paths.append(path)
+            residuals.append(Residual(node))
+        bonus = sample_bonus(target_probs(logits, sampling), residuals, sampling.generators)
+        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
