@@ -1,8 +1,9 @@
-"""``specflow run | sweep | bench | list | make-model`` (serve, app, train join as they land)."""
+"""``specflow run | sweep | bench | list | make-model | app`` (serve, train join as they land)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from specflow.config import ConfigError
@@ -40,6 +41,30 @@ def cmd_bench(args: argparse.Namespace) -> None:
                      prompt_len=args.prompt_len, repeats=args.repeats)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from specflow.serve import run_server
+
+    run_server(args.config, args.overrides, host=args.host, port=args.port, api_key=args.api_key,
+               shutdown_timeout=args.shutdown_timeout)
+
+
+def cmd_app(args: argparse.Namespace) -> None:
+    try:
+        from specflow.app.ui import launch
+    except ImportError as e:
+        raise SystemExit(f"specflow app: error: {e}; install the app extra: pip install 'specflow[app]'") from None
+    launch(args.config, host=args.host, port=args.port)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    try:
+        from specflow.train import load_train_config, train
+    except ImportError as e:
+        raise SystemExit(f"specflow train: error: {e}; install the train extra: pip install 'specflow[train]'") from None
+    result = train(load_train_config(args.config, args.overrides))
+    print("\n".join(f"{k}: {v}" for k, v in result.summary.items()))
+
+
 def cmd_make_model(args: argparse.Namespace) -> None:
     from specflow.models.random import make_random_checkpoint
 
@@ -74,6 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(fn=cmd_bench)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. engine.spec_max_batch_size=8")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you say otherwise)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECFLOW_API_KEY, else none)")
+    p.add_argument("--shutdown-timeout", type=int, default=30,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled")
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("train", help="train a target, draft model or drafter head with a Lightning recipe")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.devices=4 trainer.strategy=ddp")
+    p.set_defaults(fn=cmd_train)
+
     p = sub.add_parser("make-model", help="write a small random-weight Llama checkpoint (+ tokenizer)")
     p.add_argument("out")
     p.add_argument("--hidden-size", type=int, default=256)
@@ -81,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("app", help="Gradio app: each step's draft tree and accepted path, live")
+    p.add_argument("config", nargs="?", help="experiment YAML (target + pipelines); default: zoo/tiny-code")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    p.set_defaults(fn=cmd_app)
 
     args = parser.parse_args(argv)
     try:

@@ -16,7 +16,7 @@ from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner
-from specflow.sampling import SamplingBatch, SamplingParams, sample, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, sample, target_probs, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -107,6 +107,9 @@ class SpecEngine:
         limit = self.model.config.max_position_embeddings
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), the target's vocabulary")
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
@@ -126,6 +129,11 @@ class SpecEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def snapshot(self, request_ids: list[int]) -> list[RequestOutput]:
+        """The output so far (committed tokens, text, accept lengths, logprobs) of each unfinished
+        request among ``request_ids``, for streaming between steps; finished ids are skipped."""
+        return [self._requests[i].output(self._decode_fn) for i in request_ids if i in self._requests]
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
@@ -245,7 +253,11 @@ class SpecEngine:
             base = req.seq_len - 1
             self.runner.commit(req.id, base, accepted)
             new = tree.tokens[b, accepted[1:]].tolist() + [int(verdict.bonus_tokens[b])]
-            req.accept_lengths.append(req.append(new, self._decode_fn))
+            kept = req.append(new, self._decode_fn)
+            req.accept_lengths.append(kept)
+            if req.logprobs is not None:  # token i was committed at node accepted[i]
+                rows = [out.offsets[b] + node for node in accepted[:kept]]
+                req.logprobs += token_logprobs(out.logits[rows], new[:kept], req.params.logprobs)
             if self.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), tree.to_json(b), accepted,
                                             new[-1], timings))
@@ -300,7 +312,10 @@ class SpecEngine:
         finished, live = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
-                req.append([sample(probs[b], req.generator)], self._decode_fn)
+                token = sample(probs[b], req.generator)
+                req.append([token], self._decode_fn)
+                if req.logprobs is not None:
+                    req.logprobs += token_logprobs(out.logits[b:b + 1], [token], req.params.logprobs)
             if req.finished:
                 finished.append(self._finish(req))
             else:

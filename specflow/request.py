@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specflow.sampling import SamplingParams, make_generator
+from specflow.sampling import SamplingParams, TokenLogprob, make_generator
 from specflow.tree import StepRecord
 
 
@@ -28,6 +28,7 @@ class RequestOutput:
     finish_reason: str | None       # "stop" (EOS / stop string / stop token) or "length"
     accept_lengths: list[int]       # tokens committed by each step (accepted drafts + bonus)
     steps: list[StepRecord] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
 
     @property
     def mean_accept_length(self) -> float:
@@ -47,6 +48,7 @@ class Request:
         self.output_ids: list[int] = []
         self.accept_lengths: list[int] = []
         self.steps: list[StepRecord] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text: str | None = None
@@ -99,4 +101,5 @@ class Request:
     def output(self, decode=None) -> RequestOutput:
         text = self.text if self.text is not None else (decode(self.output_ids) if decode else None)
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
-                             self.finish_reason, list(self.accept_lengths), list(self.steps))
+                             self.finish_reason, list(self.accept_lengths), list(self.steps),
+                             None if self.logprobs is None else list(self.logprobs))

@@ -34,6 +34,13 @@ class Roots:
     def batch_size(self) -> int:
         return len(self.request_ids)
 
+    def select(self, rows: list[int]) -> "Roots":
+        """The roots of some requests of the batch (e.g. those that speculate this step)."""
+        return Roots([self.request_ids[r] for r in rows], self.tokens[rows], self.positions[rows],
+                     [self.contexts[r] for r in rows],
+                     None if self.generators is None else [self.generators[r] for r in rows],
+                     None if self.greedy is None else self.greedy[rows])
+
 
 @dataclass(slots=True)
 class Frontier:

@@ -13,6 +13,18 @@ nodes expanded in the current build, in expansion order. Invariant between steps
 
 Scratch nodes are keyed by their token path below the root, not by node index: builders may
 renumber nodes after expanding them (EAGLE-2's rerank), and siblings never share a token.
+
+With ``features=True`` (EAGLE-style heads) every token also carries a feature vector, passed to
+the model as ``features`` (SafeAILab/EAGLE ``topK_genrate``, SGLang's draft extend):
+
+- The entry of token x_i reads the *target* feature of x_{i-1}; the first token of a request has
+  no entry, so entry i is token x_{i+1} at rotary position i (= the token's position - 1) and
+  the invariant above counts one token fewer.
+- While expanding, a tree node reads the model's output at its parent; the root reads the
+  target feature of the token before it (``last_feature``).
+- ``commit`` keeps only the root's K/V (the only scratch entry computed from a target feature);
+  the accepted drafts are queued again with their target features and recomputed at the next
+  expansion.
 """
 
 from __future__ import annotations
@@ -31,6 +43,10 @@ class _DraftState:
     committed: int = 0                                    # tokens in the cache before the scratch
     pending: list[int] = field(default_factory=list)
     scratch: dict[tuple[int, ...], int] = field(default_factory=dict)  # token path -> scratch offset
+    # features=True only:
+    pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
+    last_feature: Tensor | None = None                             # [F] target feature of the token before the root
+    outputs: dict[tuple[int, ...], Tensor] = field(default_factory=dict)  # token path -> model output [F]
 
 
 @dataclass
@@ -42,17 +58,36 @@ class DraftBatch:
     positions: list[Tensor]       # per request [q]
     tree_masks: list[Tensor | None]
     rows: list[tuple[int, int, int]]  # (b, f, offset of the frontier node within its request's tokens)
+    paths: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (request id, token path) per row
+    features: list[Tensor] = field(default_factory=list)  # features=True: per request [q, F]
 
 
 class TreeDraftRunner:
     """Bookkeeping around a ModelRunner for tree expansion (see module docstring)."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, features: bool = False):
         self.runner = runner
+        self.features = features
+        self.shift = 1 if features else 0  # entry index = token position - shift
         self.states: dict[int, _DraftState] = {}
 
-    def add_pending(self, request_id: int, tokens: list[int]) -> None:
-        self.states.setdefault(request_id, _DraftState()).pending.extend(tokens)
+    def add_pending(self, request_id: int, tokens: list[int], features: Tensor | None = None) -> None:
+        """Queue committed tokens; with ``features=True`` also their target features ``[n, F]``."""
+        st = self.states.setdefault(request_id, _DraftState())
+        if not self.features:
+            st.pending.extend(tokens)
+            return
+        assert features is not None and len(features) == len(tokens), "one target feature per token"
+        if not tokens:
+            return
+        before = features[:-1]  # [n - 1, F]: the feature each token after the first reads
+        if st.last_feature is None:  # the request's first token has no entry
+            tokens = tokens[1:]
+        else:
+            before = torch.cat([st.last_feature[None], before])
+        st.pending.extend(tokens)
+        st.pending_features.append(before)
+        st.last_feature = features[-1]
 
     def plan(self, frontier: Frontier) -> DraftBatch:
         """Decide which tokens each request feeds for this expansion."""
@@ -68,14 +103,18 @@ class TreeDraftRunner:
                 if st.scratch:  # a build that never reached commit (e.g. preempted step)
                     self.runner.cache.truncate(rid, st.committed)
                 root_pos = int(frontier.roots.positions[b])
-                assert st.committed + len(st.pending) == root_pos, "drafter lost track of the sequence"
+                assert st.committed + len(st.pending) == root_pos - self.shift, "drafter lost track of the sequence"
                 tokens = st.pending + [int(tree.tokens[b, 0])]
-                positions = torch.arange(st.committed, root_pos + 1)
+                positions = torch.arange(st.committed, st.committed + len(tokens))
                 mask = None
+                if self.features:
+                    assert st.last_feature is not None, "begin() gave no target features for this request"
+                    batch.features.append(torch.cat([*st.pending_features, st.last_feature[None]]))
+                    st.pending_features = []
                 st.committed += len(st.pending)
                 st.pending = []
-                st.scratch = {(): 0}
-                rows = [(b, 0, len(tokens) - 1)]
+                st.scratch, st.outputs = {(): 0}, {}
+                rows, paths = [(b, 0, len(tokens) - 1)], [()]
             else:
                 row = tree.tokens[b].tolist()
                 paths = [tuple(row[i] for i in tree.path_to(b, n)[1:]) for n in nodes]
@@ -84,7 +123,9 @@ class TreeDraftRunner:
                 # a column is visible when its path is a prefix of the node's path (ancestor or self)
                 mask = torch.tensor([[p[: len(c)] == c for c in cols] for p in paths])  # [F, s + F]
                 tokens = tree.tokens[b, nodes].tolist()
-                positions = tree.positions[b, nodes]
+                positions = tree.positions[b, nodes] - self.shift
+                if self.features:  # a node reads the model's output at its parent
+                    batch.features.append(torch.stack([st.outputs[p[:-1]] for p in paths]))  # [F, F_dim]
                 for f, p in enumerate(paths):
                     st.scratch[p] = len(cols) - len(paths) + f
                 rows = [(b, nodes_all[b].index(n), f) for f, n in enumerate(nodes)]
@@ -93,22 +134,31 @@ class TreeDraftRunner:
             batch.positions.append(positions)
             batch.tree_masks.append(mask)
             batch.rows.extend(rows)
+            batch.paths.extend((rid, p) for p in paths)
         return batch
 
     def extend(self, batch: DraftBatch, **kwargs) -> ExtendOutput:
-        return self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
-                                  tree_masks=batch.tree_masks, **kwargs)
+        """Run the model over the batch; with ``features=True`` remember each frontier node's output."""
+        if self.features:
+            kwargs["inputs"] = {"features": torch.cat(batch.features)}
+        out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
+                                 tree_masks=batch.tree_masks, **kwargs)
+        if self.features:
+            for (rid, path), (_, _, flat) in zip(batch.paths, self.frontier_rows(batch, out)):
+                self.states[rid].outputs[path] = out.hidden[flat]
+        return out
 
     def frontier_rows(self, batch: DraftBatch, out: ExtendOutput) -> list[tuple[int, int, int]]:
         """``(b, f, flat row of out)`` for every expanded frontier node."""
         starts = {b: out.offsets[i] for i, b in enumerate(dict.fromkeys(r[0] for r in batch.rows))}
         return [(b, f, starts[b] + off) for b, f, off in batch.rows]
 
-    def commit(self, request_id: int, tokens: list[int]) -> None:
-        """The request committed ``tokens``: the root, then the accepted drafts."""
+    def commit(self, request_id: int, tokens: list[int], features: Tensor | None = None) -> None:
+        """The request committed ``tokens``: the root, then the accepted drafts (with
+        ``features=True`` also their target features ``[len(tokens), F]``)."""
         st = self.states.setdefault(request_id, _DraftState())
         keep = []
-        for depth in range(len(tokens)):
+        for depth in range(1 if self.features else len(tokens)):
             offset = st.scratch.get(tuple(tokens[1 : depth + 1]))
             if offset is None:
                 break
@@ -116,8 +166,14 @@ class TreeDraftRunner:
         if keep:
             self.runner.commit(request_id, st.committed, keep)
         st.committed += len(keep)
-        st.scratch = {}
-        self.add_pending(request_id, tokens[len(keep):])
+        st.scratch, st.outputs = {}, {}
+        if self.features:
+            assert features is not None and len(features) == len(tokens), "one target feature per token"
+            if keep:  # the root's entry stays; the next token reads the root's target feature
+                st.last_feature = features[0]
+            self.add_pending(request_id, tokens[len(keep):], features[len(keep):])
+        else:
+            self.add_pending(request_id, tokens[len(keep):])
 
     def release(self, request_ids: list[int]) -> None:
         for rid in request_ids:

@@ -26,7 +26,8 @@ class ExtendOutput:
 
 
 class ModelRunner:
-    """Runs a token-flat model (``forward(input_ids, positions, attn, taps)``) over a paged KV cache.
+    """Runs a token-flat model (``forward(input_ids, positions, attn, taps, **inputs)``) over a paged
+    KV cache.
 
     Requests are identified by integer ids; their cache entries appear on first ``extend`` and
     leave with ``release``. ``extend`` raises OutOfPages (with nothing allocated) when the pool
@@ -50,11 +51,14 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, request_ids: list[int], token_ids: list[list[int]] | list[Tensor], *,
                positions: list[Tensor] | None = None, tree_masks: list[Tensor | None] | None = None,
-               logits: Literal["all", "last", "none"] = "all", taps: tuple[int, ...] = ()) -> ExtendOutput:
+               logits: Literal["all", "last", "none"] = "all", taps: tuple[int, ...] = (),
+               inputs: dict[str, Tensor] | None = None) -> ExtendOutput:
         """Append tokens to each request's cache and run the model over them.
 
         ``positions`` default to consecutive positions after the cached prefix; tree verification
-        passes depth-based positions and ``tree_masks`` ([q, q] ancestor masks).
+        passes depth-based positions and ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are
+        extra per-token model inputs, token-flat ``[T, ...]`` in the order of ``token_ids``
+        (e.g. EAGLE's ``features``), passed to the model as keyword arguments.
         """
         tokens = [torch.as_tensor(t, dtype=torch.long).view(-1) for t in token_ids]
         qo_lens = [len(t) for t in tokens]
@@ -74,7 +78,9 @@ class ModelRunner:
         )
         self.attn.plan(batch)
         input_ids = torch.cat(tokens).to(self.device)
-        hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps)
+        extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
+        assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
+        hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)
         for r, p, q in zip(request_ids, prefix_lens, qo_lens):
             self.cache.kv_lens[r] = p + q
         offsets = [0]

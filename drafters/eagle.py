@@ -1,0 +1,123 @@
+"""EAGLE-1/2 drafter: a trained head on the target's features drafts the tree (Li et al., 2024).
+
+The head keeps its own paged KV cache and expands trees with tree attention (chain, static
+and EAGLE-2 trees all work). After each verdict it re-syncs over the accepted tokens with their
+target features, as SafeAILab/EAGLE and SGLang do (see specflow.runtime.draft_runner). With
+``token_map`` (FR-Spec, Zhao et al., 2025) it drafts among a set of frequent tokens only: its
+lm_head becomes the target head's rows at those ids. Drafting stays lossless either way: only
+the drafts change, never the verification.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specflow.models import CheckpointError
+from specflow.models.eagle import EagleHead, load_eagle
+from specflow.protocols import TargetFeatures, TargetNeeds
+from specflow.registry import DRAFTERS
+from specflow.runtime.draft_runner import TreeDraftRunner
+from specflow.runtime.model_runner import ModelRunner
+from specflow.tree import Expansion, Frontier, Verdict
+
+
+@dataclass
+class EagleConfig:
+    path: str = "???"               # EAGLE-1/2 head directory (SafeAILab/EAGLE layout)
+    token_map: str | None = None    # FR-Spec hot token ids: a .pt tensor, a .json list or whitespace-separated ids
+    kv_cache_tokens: int = 65536    # the head's own paged KV pool
+    page_size: int = 1
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> Tensor:
+    """[M] int64 hot token ids from a file (torch-saved tensor or list, JSON list, or plain text)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"token_map {path} does not exist; give a file of hot token ids")
+    if path.suffix in (".pt", ".pth", ".bin"):
+        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+    elif path.suffix == ".json":
+        ids = torch.tensor(json.loads(path.read_text()))
+    else:
+        ids = torch.tensor([int(t) for t in path.read_text().split()])
+    ids = ids.long().flatten()
+    if len(ids) == 0 or len(ids.unique()) != len(ids) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise CheckpointError(f"token_map {path} must hold distinct token ids in 0..{vocab_size - 1}, "
+                              f"got {len(ids)} ids")
+    return ids
+
+
+@DRAFTERS.register("eagle", config=EagleConfig)
+class EagleDrafter:
+    """Drafts with an EAGLE-style head (``head``: forward over ``features``, ``project``,
+    ``compute_logits``, ``draft_to_target``) on its own paged KV cache.
+
+    ``begin``/``commit`` hand the head the target features of committed tokens (``needs``: the
+    last hidden state); ``expand`` feeds the frontier nodes, each with the head's output at its
+    parent, and answers the top-k of the head's distribution, mapped to target token ids.
+    """
+
+    needs = TargetNeeds(last_hidden=True)
+
+    def __init__(self, head: EagleHead, *, kv_cache_tokens: int = 65536, page_size: int = 1):
+        self.head = head
+        self.vocab_size = head.config.vocab_size
+        self.runner = TreeDraftRunner(ModelRunner(head, num_pages=max(1, kv_cache_tokens // page_size),
+                                                  page_size=page_size), features=True)
+
+    @classmethod
+    def from_config(cls, cfg: EagleConfig, *, target: ModelRunner, device: Any = "cpu",
+                    dtype: Any = torch.float32, **_: Any) -> "EagleDrafter":
+        head = load_eagle(cfg.path, target.model, device=device, dtype=dtype)
+        if cfg.token_map is not None:
+            head.set_token_map(load_token_map(cfg.token_map, head.config.vocab_size))
+        return cls(head, kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size)
+
+    def target_features(self, features: TargetFeatures) -> list[Tensor]:
+        """Per request [n, F] target features of the committed tokens, as this head reads them."""
+        assert features.hidden is not None, "the engine must pass the last hidden states (needs.last_hidden)"
+        return features.hidden
+
+    @torch.inference_mode()
+    def begin(self, features: TargetFeatures) -> None:
+        for rid, tokens, f in zip(features.request_ids, features.tokens, self.target_features(features)):
+            self.runner.add_pending(rid, tokens.tolist(), self.head.project(f))
+
+    @torch.inference_mode()
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        k = frontier.k
+        tokens = torch.zeros(b, f, k, dtype=torch.long)
+        lps = torch.full((b, f, k), float("-inf"))
+        probs = torch.zeros(b, f, self.vocab_size) if frontier.want_probs else None
+        batch = self.runner.plan(frontier)
+        if not batch.request_ids:
+            return Expansion(tokens, lps, probs)
+        out = self.runner.extend(batch, logits="none")
+        rows = self.runner.frontier_rows(batch, out)
+        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
+        logprobs = torch.log_softmax(self.head.compute_logits(out.hidden[flat]).float(), -1)  # [R, V_draft]
+        kk = min(k, logprobs.shape[-1])
+        top_lp, top_ids = logprobs.topk(kk, dim=-1)                                            # [R, kk]
+        bi, fi = torch.tensor([(r[0], r[1]) for r in rows]).T
+        tokens[bi, fi, :kk] = self.head.draft_to_target(top_ids).cpu()
+        lps[bi, fi, :kk] = top_lp.cpu()
+        if probs is not None:  # q over the target vocabulary: zero outside the draft vocabulary
+            ids = self.head.draft_to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
+            q = logprobs.new_zeros(len(rows), self.vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
+            probs[bi, fi] = q.cpu()
+        return Expansion(tokens, lps, probs)
+
+    @torch.inference_mode()
+    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
+        for rid, tokens, f in zip(features.request_ids, features.tokens, self.target_features(features)):
+            self.runner.commit(rid, tokens.tolist(), self.head.project(f))
+
+    def release(self, request_ids: list[int]) -> None:
+        self.runner.release(request_ids)

@@ -1,0 +1,80 @@
+"""Medusa drafter: extra heads on the target's last hidden state predict the tokens after the
+next one (Cai et al., 2024). The heads run once per step, at the root; a node at depth d takes
+its children from head d (the top-k of the distribution of the token at depth d + 1), whatever
+its path. Medusa needs no KV cache of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specflow.models.medusa import MedusaHeads, load_medusa
+from specflow.protocols import TargetFeatures, TargetNeeds
+from specflow.registry import DRAFTERS
+from specflow.runtime.model_runner import ModelRunner
+from specflow.tree import Expansion, Frontier, Verdict
+
+
+@dataclass
+class MedusaConfig:
+    path: str = "???"  # Medusa heads directory (FasterDecoding/Medusa layout)
+
+
+@DRAFTERS.register("medusa", config=MedusaConfig)
+class MedusaDrafter:
+    """Answers every depth from the heads' log-probabilities at the token before the root."""
+
+    needs = TargetNeeds(last_hidden=True)
+
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads
+        self.logprobs: dict[int, Tensor] = {}  # request id -> [num_heads, V] for the current root
+
+    @classmethod
+    def from_config(cls, cfg: MedusaConfig, *, target: ModelRunner, device: Any = "cpu",
+                    dtype: Any = torch.float32, **_: Any) -> "MedusaDrafter":
+        return cls(load_medusa(cfg.path, target.model, device=device, dtype=dtype))
+
+    @torch.inference_mode()
+    def _run_heads(self, features: TargetFeatures) -> None:
+        """Run every head on the hidden state of each request's last committed token."""
+        assert features.hidden is not None, "the engine must pass the last hidden states (needs.last_hidden)"
+        last = torch.stack([h[-1] for h in features.hidden])                   # [R, H]
+        logprobs = torch.log_softmax(self.heads(last).float(), -1)              # [num_heads, R, V]
+        for r, rid in enumerate(features.request_ids):
+            self.logprobs[rid] = logprobs[:, r]
+
+    def begin(self, features: TargetFeatures) -> None:
+        self._run_heads(features)
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        k = frontier.k
+        vocab = self.heads.vocab_size
+        tokens = torch.zeros(b, f, k, dtype=torch.long)
+        lps = torch.full((b, f, k), float("-inf"))
+        probs = torch.zeros(b, f, vocab) if frontier.want_probs else None
+        depth = frontier.tree.depth.gather(1, frontier.nodes.clamp(min=0))     # [B, F]
+        where = ((frontier.nodes >= 0) & (depth < self.heads.num_heads)).nonzero().tolist()
+        if not where:
+            return Expansion(tokens, lps, probs)
+        rids = frontier.roots.request_ids
+        rows = torch.stack([self.logprobs[rids[bi]][depth[bi, fi]] for bi, fi in where])  # [R, V]
+        kk = min(k, vocab)
+        top_lp, top_tok = rows.topk(kk, dim=-1)                                 # [R, kk]
+        bi, fi = torch.tensor(where).T
+        tokens[bi, fi, :kk] = top_tok.cpu()
+        lps[bi, fi, :kk] = top_lp.cpu()
+        if probs is not None:
+            probs[bi, fi] = rows.exp().cpu()
+        return Expansion(tokens, lps, probs)
+
+    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
+        self._run_heads(features)
+
+    def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.logprobs.pop(rid, None)

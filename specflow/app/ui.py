@@ -1,0 +1,258 @@
+"""The Gradio app: a prompt, one or two pipelines, sampling, Generate / Stop, and each step's draft
+tree drawn live with a slider to replay past steps. ``specflow app [CONFIG]`` launches it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from html import escape
+from pathlib import Path
+
+import gradio as gr
+
+from specflow.app.render import render_step
+from specflow.app.session import (NO_DRAFTER, Catalog, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
+                                  stream, tree_param_defaults)
+from specflow.app.stats import RunStats, render_stats
+from specflow.config import ConfigError
+from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
+from specflow.sampling import SamplingParams
+from specflow.tree import StepRecord
+
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+FRAME_S = 0.1        # at most ten UI updates a second while streaming; the last one always goes out
+FORM_FIELDS = [f.name for f in fields(PipelineForm)][1:]   # the editable fields, name excluded
+
+CSS = """
+.sf-tree { overflow: auto; max-height: 640px; border: 1px solid #e5e7eb; border-radius: 8px; padding: 6px;
+           background: #fff; }
+.sf-caption { font-size: 13px; margin: 4px 0 6px; }
+.sf-caption code { background: #dcfce7; padding: 0 3px; border-radius: 3px; margin-left: 4px; }
+.sf-caption code.bonus { background: #fef3c7; }
+.sf-legend { font-size: 12px; color: #4b5563; margin-top: 4px; display: flex; gap: 14px; }
+.sf-stats .sf-row { display: flex; flex-wrap: wrap; gap: 18px; margin: 4px 0; }
+.sf-value { font-size: 20px; font-weight: 600; }
+.sf-label { font-size: 11px; color: #6b7280; }
+.sf-state { float: right; font-size: 11px; padding: 1px 8px; border-radius: 9px; background: #e5e7eb; }
+.sf-state.sf-running { background: #dbeafe; } .sf-state.sf-done { background: #dcfce7; }
+.sf-state.sf-error, .sf-state.sf-stopped { background: #fee2e2; }
+.sf-lane { font-size: 15px; font-weight: 600; margin: 2px 0; }
+.sf-error { color: #991b1b; background: #fef2f2; border: 1px solid #fecaca; border-radius: 6px; padding: 8px;
+            white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 13px; }
+.sf-warning { color: #92400e; }
+"""
+
+
+@dataclass
+class LaneView:
+    """What replaying a finished lane needs (kept in the browser session's gr.State)."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    texts: dict[int, str] = field(default_factory=dict)
+    stats: RunStats = field(default_factory=RunStats)
+    state: str = ""
+
+    def tree_html(self, step: int) -> str:
+        if not self.steps:
+            return "<div class='sf-step'>No speculative step yet.</div>"
+        record = self.steps[min(max(step, 1), len(self.steps)) - 1]
+        return render_step(record, self.texts.get, len(self.steps))
+
+
+def lane_outputs(lane: Lane, pool: EnginePool, tag: str) -> list:
+    """The six outputs of one lane: header, text, statistics, slider, tree, view state."""
+    view = LaneView(lane.steps, {}, lane.stats, lane.state)
+    for record in lane.steps:
+        for t in [*record.tree["tokens"], record.bonus_token]:
+            view.texts[t] = pool.token_text(t)
+    header = f"<div class='sf-lane'>{tag} · {escape(lane.name)}</div>"
+    if lane.error:
+        header += f"<div class='sf-error'>{escape(lane.error)}</div>"
+    n = len(lane.steps)
+    slider = gr.Slider(minimum=1, maximum=max(2, n), value=max(1, n), step=1, visible=n > 1)  # min < max
+    return [header, lane.text, render_stats(lane.stats, n - 1 if n else None, lane.state), slider,
+            view.tree_html(n), view]
+
+
+def replay(step: float, view: LaneView | None) -> tuple[str, str]:
+    """Tree and statistics of step ``step`` (1-based) of a generation already streamed."""
+    if view is None or not view.steps:
+        return gr.skip(), gr.skip()
+    return view.tree_html(int(step)), render_stats(view.stats, int(step) - 1, view.state)
+
+
+def form_values(form: PipelineForm) -> list:
+    """Field values (FORM_FIELDS order); tree numbers the tree type does not use are hidden."""
+    declared = tree_param_defaults(form.tree_type)
+    return [gr.Number(value=getattr(form, name), visible=name in declared)
+            if name in ("depth", "topk", "num_draft_tokens") else getattr(form, name) for name in FORM_FIELDS]
+
+
+class PipelinePanel:
+    """The picker and editable fields of one pipeline."""
+
+    def __init__(self, tag: str, catalog: Catalog, label: str, visible: bool = True):
+        self.catalog = catalog
+        form = PipelineForm.from_pipeline(catalog.pipelines[label])
+        declared = tree_param_defaults(form.tree_type)
+
+        def eid(name: str) -> str:
+            return f"{name.replace('_', '-')}-{tag.lower()}"    # e.g. #drafter-params-a
+
+        def number(name: str) -> gr.Number:
+            return gr.Number(getattr(form, name), label=name, precision=0, visible=name in declared,
+                             min_width=90, elem_id=eid(name))
+
+        with gr.Column(visible=visible, elem_id=f"pipeline-{tag.lower()}") as self.column:
+            self.picker = gr.Dropdown(list(catalog.pipelines), value=label, label=f"pipeline {tag}",
+                                      elem_id=f"picker-{tag.lower()}")
+            with gr.Row():
+                drafter_type = gr.Dropdown([NO_DRAFTER, *DRAFTERS.names()], value=form.drafter_type,
+                                           label="drafter", min_width=110,
+                                           elem_id=eid("drafter_type"))
+                tree_type = gr.Dropdown(TREE_BUILDERS.names(), value=form.tree_type, label="tree", min_width=110,
+                                        elem_id=eid("tree_type"))
+                verifier_type = gr.Dropdown(VERIFIERS.names(), value=form.verifier_type, label="verifier",
+                                            min_width=110, elem_id=eid("verifier_type"))
+            drafter_params = gr.Textbox(form.drafter_params, label="drafter params (YAML)", max_lines=3,
+                                        elem_id=eid("drafter_params"))
+            with gr.Row():
+                depth, topk, num_draft_tokens = number("depth"), number("topk"), number("num_draft_tokens")
+            with gr.Row():
+                tree_params = gr.Textbox(form.tree_params, label="other tree params (YAML)", max_lines=3,
+                                         elem_id=eid("tree_params"))
+                verifier_params = gr.Textbox(form.verifier_params, label="verifier params (YAML)", max_lines=3,
+                                             elem_id=eid("verifier_params"))
+        self.fields = [drafter_type, drafter_params, tree_type, depth, topk, num_draft_tokens, tree_params,
+                       verifier_type, verifier_params]
+        self.picker.change(lambda name: form_values(PipelineForm.from_pipeline(self.catalog.pipelines[name])),
+                           self.picker, self.fields)
+        tree_type.input(self.tree_type_changed, tree_type, [depth, topk, num_draft_tokens])
+
+    @staticmethod
+    def tree_type_changed(tree_type: str) -> list:
+        form = PipelineForm("", tree_type=tree_type, **tree_param_defaults(tree_type))
+        return form_values(form)[3:6]
+
+
+class OutputPanel:
+    """One lane's output: header (and error), generated text, statistics, step slider, tree."""
+
+    def __init__(self, tag: str, visible: bool = True):
+        t = tag.lower()
+        with gr.Column(visible=visible, elem_id=f"lane-{t}") as self.column:
+            self.header = gr.HTML(f"<div class='sf-lane'>{tag}</div>", elem_id=f"header-{t}")
+            self.text = gr.Textbox(label="generated text", lines=4, max_lines=8, elem_id=f"text-{t}")
+            self.stats = gr.HTML(elem_id=f"stats-{t}")
+            self.slider = gr.Slider(1, 2, value=1, step=1, label="step (drag to replay)", visible=False,
+                                    elem_id=f"slider-{t}")
+            self.tree = gr.HTML(elem_id=f"tree-{t}")
+            self.view = gr.State(None)
+        self.outputs = [self.header, self.text, self.stats, self.slider, self.tree, self.view]
+        self.slider.input(replay, [self.slider, self.view], [self.tree, self.stats])
+
+
+def header_markdown(catalog: Catalog, pool: EnginePool) -> str:
+    dtype = str(pool.dtype).removeprefix("torch.")
+    lines = ["## specflow · draft trees, live",
+             f"Target `{catalog.engine.target}` on {pool.device}/{dtype}. Each speculative step's draft tree: token and "
+             "draft probability q per node, the accepted path in green, rejected nodes faded, the bonus "
+             "token (sampled from the target) dashed."]
+    if catalog.random_weights:
+        lines.append("<span class='sf-warning'>⚠ <b>random weights</b>: zoo/tiny-code is not built here, so the "
+                     "target is an untrained stand-in; the trees show the mechanics, not a trained model's "
+                     "acceptance.</span>")
+    lines += [f"<span class='sf-warning'>skipped {escape(note)}</span>" for note in catalog.notes]
+    return "\n\n".join(lines)
+
+
+def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
+    """The Blocks app over ``catalog``'s pipelines; generation runs on ``pool``'s engines."""
+    labels = list(catalog.pipelines)
+    first = catalog.pipelines[labels[0]]
+    second = next((name for name, p in catalog.pipelines.items()
+                   if p.drafter and (p.tree, p.drafter) != (first.tree, first.drafter)), labels[-1])
+    stop = threading.Event()
+    s = catalog.sampling
+
+    with gr.Blocks(title="specflow · draft trees", analytics_enabled=False) as demo:
+        gr.Markdown(header_markdown(catalog, pool))
+        with gr.Row():
+            with gr.Column(scale=2, min_width=320):
+                prompt = gr.Textbox(DEFAULT_PROMPT, label="prompt", lines=5, elem_id="prompt")
+                with gr.Accordion("sampling", open=False):
+                    temperature = gr.Slider(0.0, 2.0, value=s.temperature, step=0.05, label="temperature")
+                    top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.05, label="top_p")
+                    top_k = gr.Number(s.top_k, label="top_k (-1: off)", precision=0)
+                    max_tokens = gr.Slider(1, 512, value=s.max_tokens, step=1, label="max_tokens")
+                    seed = gr.Number(s.seed, label="seed", precision=0)
+                    ignore_eos = gr.Checkbox(s.ignore_eos, label="ignore EOS")
+                side_by_side = gr.Checkbox(False, label="side by side: two pipelines on the same prompt",
+                                           elem_id="side-by-side")
+                with gr.Row():
+                    generate = gr.Button("Generate", variant="primary", elem_id="generate")
+                    stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
+                status = gr.HTML(elem_id="status")
+            with gr.Column(scale=5):
+                with gr.Row():
+                    panel_a = PipelinePanel("A", catalog, labels[0])
+                    panel_b = PipelinePanel("B", catalog, second, visible=False)
+        with gr.Row(equal_height=False):
+            out_a = OutputPanel("A")
+            out_b = OutputPanel("B", visible=False)
+
+        side_by_side.change(lambda on: [gr.Column(visible=on), gr.Column(visible=on)], side_by_side,
+                            [panel_b.column, out_b.column])
+
+        def run(prompt_text, temp, p, k, n, seed_value, no_eos, both, *values):
+            stop.clear()
+            try:
+                params = SamplingParams(temperature=temp, top_p=p, top_k=-1 if k is None else int(k),
+                                        max_tokens=int(n), seed=None if seed_value is None else int(seed_value),
+                                        ignore_eos=no_eos)
+            except ValueError as e:
+                yield [f"<div class='sf-error'>sampling: {escape(str(e))}</div>"] + [gr.skip()] * 12
+                return
+            # values: picker A, its nine fields, picker B, its nine fields
+            forms = [(values[0], values[1:10])] + ([(values[10], values[11:])] if both else [])
+            lanes = []
+            for name, form in forms:
+                try:
+                    pipeline = PipelineForm(name, **dict(zip(FORM_FIELDS, form))).to_pipeline()
+                except ConfigError as e:
+                    lanes.append(Lane.failed(name, e))
+                    continue
+                lanes.append(start_lane(pool, pipeline, prompt_text, params))
+            shown = 0.0
+            for current in stream(pool, lanes, prompt_text, params, stop):
+                if time.perf_counter() - shown >= FRAME_S:
+                    shown = time.perf_counter()
+                    yield frame(current, final=False)
+            yield frame(lanes, final=True)
+
+        def frame(lanes: list[Lane], final: bool) -> list:
+            states = ", ".join(f"{tag}: {lane.state}" for tag, lane in zip("AB", lanes))
+            if not final and all(lane.state != "running" for lane in lanes):
+                states += " · measuring plain decoding of the same prompt for the speedup…"
+            outs = [f"<div class='sf-status' data-done='{final}'>{states}</div>"]
+            for tag, lane in zip("AB", lanes):
+                outs += lane_outputs(lane, pool, tag)
+            return outs + [gr.skip()] * (6 * (2 - len(lanes)))
+
+        inputs = [prompt, temperature, top_p, top_k, max_tokens, seed, ignore_eos, side_by_side,
+                  panel_a.picker, *panel_a.fields, panel_b.picker, *panel_b.fields]
+        generate.click(run, inputs, [status, *out_a.outputs, *out_b.outputs], concurrency_limit=1)
+        stop_button.click(stop.set, None, None, concurrency_limit=None)
+    return demo
+
+
+def launch(config: str | Path | None = None, host: str = "127.0.0.1", port: int = 7860,
+           prevent_thread_lock: bool = False, quiet: bool = False) -> gr.Blocks:
+    """Load the catalog and target, build the app and serve it on ``host:port``."""
+    catalog = load_catalog(config)
+    demo = build_app(catalog, EnginePool(catalog.engine))
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=host, server_port=port, prevent_thread_lock=prevent_thread_lock, quiet=quiet,
+                css=CSS, footer_links=[])
+    return demo

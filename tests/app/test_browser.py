@@ -1,0 +1,105 @@
+"""The app in a real headless browser: Debian's chromium driven by Playwright (no browser download).
+
+Generates with two pipelines side by side and checks that draft trees with an accepted path, the
+bonus token and the speedup appear, that the step slider replays an earlier step, and that a
+pipeline that cannot load shows a message instead of a traceback.
+"""
+
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright Python package")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
+                                reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
+
+EXPERIMENT = """\
+name: tiny
+engine: {{target: {target}, device: cpu, dtype: float32, kv_cache_tokens: 2048}}
+sampling: {{temperature: 0.0, max_tokens: 16, ignore_eos: true}}
+pipelines:
+  - name: self-chain
+    drafter: {{type: draft_model, path: {target}, kv_cache_tokens: 2048}}
+    tree: {{type: chain, depth: 3}}
+    verifier: {{type: greedy}}
+  - name: self-eagle2
+    drafter: {{type: draft_model, path: {target}, kv_cache_tokens: 2048}}
+    tree: {{type: eagle2, topk: 2, depth: 3, num_draft_tokens: 6}}
+    verifier: {{type: rejection}}
+"""
+WAIT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_target, tmp_path_factory):
+    """The app on a free loopback port; both pipelines draft with the target itself, so greedy drafts
+    are right and every tree has a long accepted path."""
+    from specflow.app.ui import launch
+
+    config = tmp_path_factory.mktemp("app") / "tiny.yaml"
+    config.write_text(EXPERIMENT.format(target=tiny_target))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = launch(config, port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(app_url)
+    yield page
+    page.close()
+
+
+def generate(page) -> None:
+    page.locator("#generate").click()
+    page.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
+
+
+def test_two_pipelines_side_by_side_draw_trees_with_accepted_paths(page, tmp_path):
+    page.locator("#side-by-side input").check()
+    generate(page)
+    for lane, name in (("a", "tiny / self-chain"), ("b", "tiny / self-eagle2")):
+        assert name in page.locator(f"#header-{lane}").inner_text()
+        tree = page.locator(f"#tree-{lane} svg.draft-tree")
+        assert tree.count() == 1
+        assert tree.locator("g.node.accepted:not(.root)").count() >= 1   # drafts accepted beyond the root
+        assert tree.locator("g.node.bonus").count() == 1
+        assert tree.locator("path.edge.accepted").count() >= 1
+        stats = page.locator(f"#stats-{lane}")
+        assert "×" in stats.inner_text() and stats.locator("rect.bar").count() >= 2
+        assert page.locator(f"#text-{lane} textarea").input_value()
+    assert page.locator("#tree-b g.node.rejected").count() >= 1           # eagle2 keeps more than one branch
+    page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
+    assert (tmp_path / "app.png").stat().st_size > 10_000
+
+    steps = page.locator("#slider-a input[type=number]")
+    steps.fill("1")
+    steps.press("Enter")
+    page.wait_for_selector("#tree-a svg.draft-tree[data-step='0']", timeout=WAIT_MS)
+    assert "Step 1 of" in page.locator("#tree-a").inner_text()
+
+
+def test_a_pipeline_that_cannot_load_shows_a_message_not_a_traceback(page):
+    params = page.locator("#drafter-params-a textarea")
+    params.fill("{path: /nonexistent/draft}")
+    generate(page)
+    error = page.locator("#header-a .sf-error").inner_text()
+    assert "has no config.json" in error and "Traceback" not in page.content()

@@ -1,0 +1,137 @@
+"""The app without its UI: the pipeline catalog, editable forms, engines, streamed generation."""
+
+import threading
+
+import pytest
+
+from specflow.app.render import render_step
+from specflow.app.session import (NO_DRAFTER, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
+                                  stream)
+from specflow.bench.experiment import PipelineConfig
+from specflow.cli import main
+from specflow.config import ConfigError
+from specflow.pipeline import EngineConfig
+from specflow.sampling import SamplingParams
+
+EXPERIMENT = """\
+name: exp
+engine: {{target: {target}, device: cpu, dtype: float32, kv_cache_tokens: 2048}}
+sampling: {{temperature: 0.0, max_tokens: 12}}
+pipelines:
+  - {{name: ngram-chain, drafter: {{type: ngram}}, tree: {{type: chain, depth: 3}}, verifier: {{type: greedy}}}}
+  - {{name: ngram-bfs, drafter: {{type: ngram}}, tree: {{type: bfs, depth: 3}}}}
+"""
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPT = "def add(a, b):\n    return a + b\n"
+
+
+def self_draft(target, tree: dict, verifier: str) -> PipelineConfig:
+    """The target drafting for itself: greedy drafts are always right, so paths are long."""
+    return PipelineConfig(f"self-{tree['type']}", {"type": "draft_model", "path": str(target),
+                                                   "kv_cache_tokens": 2048}, tree, {"type": verifier})
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_target):
+    return EnginePool(EngineConfig(target=str(tiny_target), device="cpu", dtype="float32", kv_cache_tokens=2048,
+                                   record_steps=True))
+
+
+def test_catalog_lists_experiment_pipelines_and_notes_broken_configs(tmp_path, tiny_target):
+    (tmp_path / "exp.yaml").write_text(EXPERIMENT.format(target=tiny_target))
+    (tmp_path / "broken.yaml").write_text(EXPERIMENT.format(target=tiny_target).replace("exp", "broken")
+                                         .replace("type: ngram}", "type: ngram, windw: 3}"))
+    (tmp_path / "serve.yaml").write_text("engine: {target: somewhere}\n")   # not an experiment: skipped
+    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
+    labels = list(catalog.pipelines)
+    assert labels[:2] == ["exp / ngram-chain", "exp / ngram-bfs"]
+    assert labels[-1] == "plain decoding" and len(labels) == 3
+    assert catalog.engine.target == str(tiny_target) and catalog.engine.record_steps
+    assert not catalog.random_weights and catalog.sampling.max_tokens == 12
+    (note,) = catalog.notes
+    assert "broken.yaml" in note and "pipelines[ngram-chain].drafter" in note and "unknown key 'windw'" in note
+
+
+def test_a_config_that_cannot_load_is_a_config_error_and_a_clear_cli_message(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("name: bad\nengine: {target: x}\npipelines: [{name: a, tre: {}}]\n")
+    with pytest.raises(ConfigError, match="unknown key 'tre'"):
+        load_catalog(tmp_path / "bad.yaml", config_dir=tmp_path)
+    pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
+    assert main(["app", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "specflow app: error: config file not found" in err and "Traceback" not in err
+
+
+def test_form_round_trips_a_pipeline_and_uses_only_the_tree_parameters_its_type_declares():
+    p = PipelineConfig("e", {"type": "ngram", "max_window": 2}, {"type": "eagle2", "topk": 3, "depth": 4},
+                       {"type": "typical", "epsilon": 0.1})
+    form = PipelineForm.from_pipeline(p)
+    assert (form.drafter_type, form.drafter_params) == ("ngram", "{max_window: 2}")
+    assert (form.depth, form.topk, form.num_draft_tokens) == (4, 3, 32)   # 32: eagle2's default
+    back = form.to_pipeline()
+    assert back.tree == {"type": "eagle2", "depth": 4, "topk": 3, "num_draft_tokens": 32}
+    assert (back.drafter, back.verifier) == (p.drafter, p.verifier)
+
+    chain = PipelineForm.from_pipeline(PipelineConfig("c", {"type": "ngram"}, {"type": "chain"}, {"type": "greedy"}))
+    assert (chain.depth, chain.topk) == (4, None)
+    chain.topk = 5                                                         # chain has no topk: ignored
+    assert chain.to_pipeline().tree == {"type": "chain", "depth": 4}
+    plain = PipelineForm("p", drafter_type=NO_DRAFTER).to_pipeline()
+    assert plain.drafter is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"drafter_params": "{max_window: ["}, "drafter params: not valid YAML"),
+    ({"drafter_params": "3"}, "drafter params: expected a mapping"),
+    ({"drafter_params": "{windw: 3}"}, "unknown key 'windw'; valid keys: min_window"),
+    ({"tree_type": "forest"}, "unknown tree type 'forest'; known: bfs, chain"),
+    ({"verifier_type": "oracle"}, "unknown verifier type 'oracle'"),
+])
+def test_bad_form_fields_are_config_errors_naming_the_fix(change, message):
+    form = PipelineForm("x", drafter_type="ngram", **change)
+    with pytest.raises(ConfigError, match=message):
+        form.to_pipeline()
+
+
+def test_streamed_lanes_grow_step_by_step_and_end_with_speedup_against_plain(pool, tiny_target):
+    pipelines = [self_draft(tiny_target, {"type": "chain", "depth": 3}, "greedy"),
+                 self_draft(tiny_target, {"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": 6},
+                            "rejection")]
+    lanes = [start_lane(pool, p, PROMPT, PARAMS) for p in pipelines]
+    seen = []
+    for current in stream(pool, lanes, PROMPT, PARAMS, threading.Event()):
+        seen.append([len(lane.steps) for lane in current])
+    assert seen[0] == [0, 0] and seen == sorted(seen) and len(seen) > 3
+    for lane in lanes:
+        assert lane.state == "done" and lane.stats.tokens == 12
+        assert lane.stats.tokens == 1 + sum(lane.stats.accept_lengths)       # + the prefill's token
+        assert lane.stats.matches_baseline and lane.stats.speedup > 0
+        assert max(len(r.accepted) for r in lane.steps) > 1                # drafts were accepted
+        assert all(r.accepted[0] == 0 for r in lane.steps)
+        for record in lane.steps:
+            assert render_step(record, pool.token_text).count("class=\"node") == sum(record.tree["valid"]) + 1
+    assert pool.engine(pipelines[0]) is lanes[0].engine                   # engines are reused
+
+
+def test_a_pipeline_that_cannot_load_fails_its_lane_only(pool, tmp_path):
+    broken = PipelineConfig("missing", {"type": "draft_model", "path": str(tmp_path / "nowhere")},
+                            {"type": "chain"}, {"type": "greedy"})
+    ok = PipelineConfig("ngram", {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"})
+    lanes = [start_lane(pool, broken, PROMPT, PARAMS), start_lane(pool, ok, PROMPT, PARAMS)]
+    assert lanes[0].state == "error" and "has no config.json" in lanes[0].error
+    for _ in stream(pool, lanes, PROMPT, PARAMS, threading.Event()):
+        pass
+    assert lanes[0].state == "error" and lanes[1].state == "done"
+
+
+def test_stop_ends_the_generation_and_frees_the_requests(pool):
+    stop = threading.Event()
+    ngram = PipelineConfig("ngram", {"type": "ngram"}, {"type": "bfs", "depth": 2}, {"type": "rejection"})
+    lanes = [start_lane(pool, ngram, PROMPT, PARAMS), Lane.failed("form", "tree params: not valid YAML")]
+    rounds = 0
+    for _ in stream(pool, lanes, PROMPT, PARAMS, stop):
+        rounds += 1
+        if rounds == 2:
+            stop.set()
+    assert lanes[0].state == "stopped" and lanes[0].stats.tokens < PARAMS.max_tokens
+    assert not lanes[0].engine.has_unfinished()

@@ -1,0 +1,149 @@
+"""EAGLE drafter: tree expansion equals the head run contiguously with EAGLE's alignment, across
+steps with commits; generation is lossless with every tree; FR-Spec token maps; round trips."""
+
+import json
+
+import pytest
+import torch
+
+from drafters.eagle import EagleDrafter, load_token_map
+from specflow import SamplingParams, SpecEngine
+from specflow.models import CheckpointError, load_model
+from specflow.models.eagle import load_eagle, save_eagle
+from tests.drafters.expansion import (CONTEXTS, PROMPTS, TREES, check_steps, contiguous_path_logprob,
+                                      feature_table, roots_for, target_features)
+from tests.drafters.fitted import fit, target_states, trajectories
+from tests.models.random_heads import eagle_state, head_hf, write_checkpoint
+from trees.chain import ChainBuilder
+from trees.eagle2 import Eagle2Builder
+from trees.static import StaticBuilder
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+BUILDERS = [ChainBuilder(depth=3), StaticBuilder(preset="mc_sim_7b_63"),
+            Eagle2Builder(topk=3, depth=3, num_draft_tokens=10)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, target):
+    hf = head_hf(target.config)
+    return write_checkpoint(tmp_path_factory.mktemp("eagle"), hf, eagle_state(hf, seed=1), "bin")
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return [o.token_ids for o in SpecEngine(target, kv_cache_tokens=1024).generate(PROMPTS, GREEDY)]
+
+
+def engine(target, tree, **drafter):
+    return SpecEngine(target, drafter={"type": "eagle", "kv_cache_tokens": 1024, **drafter}, tree=tree,
+                      verifier={"type": "greedy"}, kv_cache_tokens=1024, record_steps=True)
+
+
+@pytest.mark.parametrize("builder", BUILDERS, ids=["chain", "static", "eagle2"])
+def test_tree_scores_match_contiguous_head(target, head_dir, builder):
+    head = load_eagle(head_dir, target)
+    drafter = EagleDrafter(head, kv_cache_tokens=512, page_size=4)
+    check_steps(drafter, builder, CONTEXTS, contiguous_path_logprob(head, feature_table(64)), feature_table(64))
+    assert drafter.runner.runner.cache.num_pages_used == 0
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_greedy_generation_equals_plain_decoding(target, head_dir, plain, tree):
+    eng = engine(target, TREES[tree], path=str(head_dir))
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
+    assert eng.drafter.runner.runner.cache.num_pages_used == 0
+
+
+def test_lossless_when_speculation_pauses_and_inside_a_union(target, head_dir, plain):
+    """Steps without drafting (batch above spec_max_batch_size) still commit features to the
+    head; a union with an n-gram drafter hands it every begin / commit."""
+    paused = SpecEngine(target, drafter={"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024},
+                        tree=TREES["chain"], verifier={"type": "greedy"}, kv_cache_tokens=1024, spec_max_batch_size=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 20, 20)]
+    assert [o.token_ids for o in paused.generate(PROMPTS, params)] == [p[:n] for p, n in zip(plain, (6, 20, 20))]
+    union = SpecEngine(target, drafter={"type": "union", "drafters": [
+        {"type": "ngram"}, {"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024}]},
+        tree=TREES["eagle2"], verifier={"type": "greedy"}, kv_cache_tokens=1024)
+    assert [o.token_ids for o in union.generate(PROMPTS, GREEDY)] == plain
+
+
+@pytest.fixture(scope="module")
+def fitted(target, tmp_path_factory):
+    """An EAGLE head whose fc maps (embed(x_{t+1}), f_t) to the target's f_{t+1} on two greedy
+    trajectories (attention and MLP silent): it reproduces the target's features there."""
+    seqs = trajectories(target, PROMPTS[:2], 16)
+    x, y = [], []
+    for seq, (hidden, _) in zip(seqs, target_states(target, seqs)):
+        x.append(torch.cat([target.embed_tokens(torch.tensor(seq[1:])), hidden[:-1]], -1))
+        y.append(hidden[1:])
+    hf = head_hf(target.config)
+    state = eagle_state(hf)
+    state["fc.weight"], state["fc.bias"] = fit(torch.cat(x), torch.cat(y), bias=True)
+    state["layers.0.self_attn.o_proj.weight"].zero_()
+    state["layers.0.mlp.down_proj.weight"].zero_()
+    return seqs, write_checkpoint(tmp_path_factory.mktemp("fitted-eagle"), hf, state, "safetensors")
+
+
+@pytest.mark.parametrize("tree", ["chain", "static"])
+def test_head_fitted_to_the_target_has_every_draft_accepted(target, fitted, tree):
+    seqs, path = fitted
+    outs = engine(target, TREES[tree], path=str(path)).generate(PROMPTS[:2], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [p + o.token_ids for p, o in zip(PROMPTS, outs)] == seqs
+    for o in outs:  # the top-1 path of depth 3 every step, but the last (cut at max_tokens)
+        assert o.accept_lengths[:-1] == [4] * (len(o.accept_lengths) - 1)
+
+
+@pytest.mark.parametrize("tree", [{"type": "chain", "depth": 3, "sample": True}, TREES["eagle2"]],
+                         ids=["sampled-chain", "eagle2"])
+def test_rejection_sampling_is_reproducible_with_seeds(target, head_dir, tree):
+    eng = SpecEngine(target, drafter={"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024},
+                     tree=tree, verifier={"type": "rejection"}, kv_cache_tokens=1024)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)
+    first = [o.token_ids for o in eng.generate(PROMPTS, params)]
+    assert first == [o.token_ids for o in eng.generate(PROMPTS, params)]
+    other = SamplingParams(temperature=0.8, top_p=0.95, seed=6, max_tokens=16, ignore_eos=True)
+    assert first != [o.token_ids for o in eng.generate(PROMPTS, other)]
+
+
+def test_saved_and_reloaded_head_drafts_the_same_trees(tmp_path, target, head_dir):
+    trees = []
+    for path in (head_dir, save_eagle(load_eagle(head_dir, target), tmp_path / "again")):
+        drafter = EagleDrafter(load_eagle(path, target), kv_cache_tokens=256)
+        drafter.begin(target_features(drafter, [0, 1], [c[:-1] for c in CONTEXTS], [0, 0],
+                                      [c[-1] for c in CONTEXTS], feature_table(64)))
+        trees.append(Eagle2Builder(topk=3, depth=3, num_draft_tokens=10).build(drafter, roots_for(CONTEXTS)))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].scores, trees[1].scores)
+
+
+def test_token_map_restricts_drafts_and_stays_lossless(tmp_path, target, head_dir, plain):
+    hot = sorted(set(sum(plain, [])) | set(range(0, 320, 7)))
+    (tmp_path / "hot.json").write_text(json.dumps(hot))
+    eng = engine(target, TREES["eagle2"], path=str(head_dir), token_map=str(tmp_path / "hot.json"))
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    drafted = {t for o in outs for s in o.steps for t, v in zip(s.tree["tokens"][1:], s.tree["valid"][1:]) if v}
+    assert drafted and drafted <= set(hot)
+    assert eng.drafter.head.draft_vocab_size == len(hot)
+
+
+def test_token_map_expansion_matches_contiguous_head(tmp_path, target, head_dir):
+    head = load_eagle(head_dir, target)
+    head.set_token_map(torch.arange(0, 320, 3))
+    check_steps(EagleDrafter(head, kv_cache_tokens=512), Eagle2Builder(topk=3, depth=3, num_draft_tokens=10),
+                CONTEXTS, contiguous_path_logprob(head, feature_table(64)), feature_table(64), steps=2)
+
+
+def test_token_map_files(tmp_path):
+    torch.save(torch.tensor([3, 1, 2]), tmp_path / "hot.pt")
+    (tmp_path / "hot.txt").write_text("3 1\n2\n")
+    for name in ("hot.pt", "hot.txt"):
+        assert load_token_map(tmp_path / name, 10).tolist() == [3, 1, 2]
+    (tmp_path / "bad.json").write_text("[1, 1, 99]")
+    with pytest.raises(CheckpointError, match="distinct token ids in 0..9"):
+        load_token_map(tmp_path / "bad.json", 10)

@@ -1,0 +1,72 @@
+"""SpecEngine additions for serving: logprobs of committed tokens (from the target at the node
+that committed each one, so speculation does not change them) and ``snapshot`` of running
+requests between steps."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specflow import SamplingParams, SpecEngine
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90]]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return SpecEngine(tiny_target, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_target, plain):
+    """The target drafts for itself, so most drafts are accepted and each step commits several
+    tokens: accepted drafts and the bonus both need their logprobs."""
+    return SpecEngine(plain.model, {"type": "draft_model", "path": str(tiny_target)},
+                      {"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": 6}, {"type": "rejection"},
+                      tokenizer=plain.tokenizer)
+
+
+def test_logprobs_under_speculation_equal_plain_decoding(plain, speculative):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=4)
+    a, b = plain.generate(PROMPTS, params), speculative.generate(PROMPTS, params)
+    assert max(max(o.accept_lengths) for o in b) > 1
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert [lp.token_id for lp in y.logprobs] == y.token_ids
+        torch.testing.assert_close(torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in y.logprobs]),
+                                   torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in x.logprobs]))
+        assert [[t for t, _ in lp.top] for lp in y.logprobs] == [[t for t, _ in lp.top] for lp in x.logprobs]
+        assert all(lp.top[0] == (lp.token_id, lp.logprob) for lp in y.logprobs)   # greedy took the argmax
+
+
+def test_logprobs_are_the_targets_log_softmax(plain, tiny_target):
+    """Raw model log-probabilities (before temperature and filters), checked against transformers."""
+    out = plain.generate(PROMPTS[:1], SamplingParams(temperature=0.7, top_k=5, seed=0, max_tokens=5,
+                                                     ignore_eos=True, logprobs=0))[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    ids = torch.tensor(PROMPTS[0] + out.token_ids)
+    with torch.no_grad():
+        logits = hf(ids[None]).logits[0]                                             # [T, V]
+    expected = torch.log_softmax(logits[len(PROMPTS[0]) - 1:-1].float(), -1).gather(-1, ids[len(PROMPTS[0]):, None])
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.logprobs]), expected[:, 0])
+    assert all(lp.top == [] for lp in out.logprobs)
+
+
+def test_logprobs_follow_stop_truncation_and_are_off_by_default(speculative):
+    free = speculative.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert free.logprobs is None
+    stop_at = free.token_ids[7]
+    out = speculative.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=20, logprobs=1,
+                                                           stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and len(out.logprobs) == len(out.token_ids) == out.token_ids.index(stop_at) + 1
+
+
+def test_snapshot_shows_progress_between_steps(speculative):
+    rid = speculative.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seen = []
+    while speculative.has_unfinished():
+        finished = speculative.step()
+        seen.append([o.token_ids for o in speculative.snapshot([rid])])
+    assert seen[-1] == [] and finished[0].request_id == rid   # finished requests leave the snapshot
+    lengths = [len(s[0]) for s in seen[:-1]]
+    assert lengths == sorted(lengths) and lengths[0] >= 1
+    assert all(finished[0].token_ids[:len(s[0])] == s[0] for s in seen[:-1])
