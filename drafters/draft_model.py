@@ -49,26 +49,8 @@ class DraftModelDrafter:
         for rid, tokens in zip(features.request_ids, features.tokens):
             self.runner.add_pending(rid, tokens.tolist())
 
-    @torch.inference_mode()
     def expand(self, frontier: Frontier) -> Expansion:
-        b, f = frontier.nodes.shape
-        tokens = torch.zeros(b, f, frontier.k, dtype=torch.long)
-        lps = torch.full((b, f, frontier.k), float("-inf"))
-        probs = torch.zeros(b, f, self.vocab_size) if frontier.want_probs else None
-        batch = self.runner.plan(frontier)
-        if not batch.request_ids:
-            return Expansion(tokens, lps, probs)
-        out = self.runner.extend(batch, logits="none")
-        rows = self.runner.frontier_rows(batch, out)
-        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
-        logprobs = torch.log_softmax(self.runner.runner.model.compute_logits(out.hidden[flat]).float(), -1)  # [R, V]
-        top_lp, top_tok = logprobs.topk(frontier.k, dim=-1)                                                 # [R, k]
-        where = torch.tensor([(bi, fi) for bi, fi, _ in rows]).T
-        tokens[where[0], where[1]] = top_tok.cpu()
-        lps[where[0], where[1]] = top_lp.cpu()
-        if probs is not None:
-            probs[where[0], where[1]] = logprobs.exp().cpu()
-        return Expansion(tokens, lps, probs)
+        return self.runner.expand(frontier, self.runner.runner.model.compute_logits, self.vocab_size)
 
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
         for rid, tokens in zip(features.request_ids, features.tokens):

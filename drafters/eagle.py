@@ -89,30 +89,8 @@ class EagleDrafter:
         for rid, tokens, f in zip(features.request_ids, features.tokens, self.target_features(features)):
             self.runner.add_pending(rid, tokens.tolist(), self.head.project(f))
 
-    @torch.inference_mode()
     def expand(self, frontier: Frontier) -> Expansion:
-        b, f = frontier.nodes.shape
-        k = frontier.k
-        tokens = torch.zeros(b, f, k, dtype=torch.long)
-        lps = torch.full((b, f, k), float("-inf"))
-        probs = torch.zeros(b, f, self.vocab_size) if frontier.want_probs else None
-        batch = self.runner.plan(frontier)
-        if not batch.request_ids:
-            return Expansion(tokens, lps, probs)
-        out = self.runner.extend(batch, logits="none")
-        rows = self.runner.frontier_rows(batch, out)
-        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
-        logprobs = torch.log_softmax(self.head.compute_logits(out.hidden[flat]).float(), -1)  # [R, V_draft]
-        kk = min(k, logprobs.shape[-1])
-        top_lp, top_ids = logprobs.topk(kk, dim=-1)                                            # [R, kk]
-        bi, fi = torch.tensor([(r[0], r[1]) for r in rows]).T
-        tokens[bi, fi, :kk] = self.head.draft_to_target(top_ids).cpu()
-        lps[bi, fi, :kk] = top_lp.cpu()
-        if probs is not None:  # q over the target vocabulary: zero outside the draft vocabulary
-            ids = self.head.draft_to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
-            q = logprobs.new_zeros(len(rows), self.vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
-            probs[bi, fi] = q.cpu()
-        return Expansion(tokens, lps, probs)
+        return self.runner.expand(frontier, self.head.compute_logits, self.vocab_size, self.head.draft_to_target)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:

@@ -2,7 +2,6 @@
 at temperature 0 the output equals plain greedy decoding token for token."""
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -30,12 +30,13 @@ the model as ``features`` (SafeAILab/EAGLE ``topK_genrate``, SGLang's draft exte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner
-from specflow.tree import Frontier
+from specflow.tree import Expansion, Frontier
 
 
 @dataclass
@@ -147,6 +148,37 @@ class TreeDraftRunner:
             for (rid, path), (_, _, flat) in zip(batch.paths, self.frontier_rows(batch, out)):
                 self.states[rid].outputs[path] = out.hidden[flat]
         return out
+
+    @torch.inference_mode()
+    def expand(self, frontier: Frontier, compute_logits: Callable[[Tensor], Tensor], vocab_size: int,
+               to_target: Callable[[Tensor], Tensor] | None = None) -> Expansion:
+        """Feed the frontier and answer the top-k of ``compute_logits(hidden)`` per node.
+
+        ``to_target`` maps the model's token ids to target ids (a smaller draft vocabulary);
+        the full q (when asked) is over the target vocabulary, zero outside the draft one.
+        """
+        b, f, k = *frontier.nodes.shape, frontier.k
+        tokens = torch.zeros(b, f, k, dtype=torch.long)
+        lps = torch.full((b, f, k), float("-inf"))
+        probs = torch.zeros(b, f, vocab_size) if frontier.want_probs else None
+        batch = self.plan(frontier)
+        if not batch.request_ids:
+            return Expansion(tokens, lps, probs)
+        out = self.extend(batch, logits="none")
+        rows = self.frontier_rows(batch, out)
+        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
+        logprobs = torch.log_softmax(compute_logits(out.hidden[flat]).float(), -1)  # [R, V_draft]
+        to_target = to_target or (lambda ids: ids)
+        kk = min(k, logprobs.shape[-1])
+        top_lp, top_ids = logprobs.topk(kk, dim=-1)                                  # [R, kk]
+        bi, fi = torch.tensor([(r[0], r[1]) for r in rows]).T
+        tokens[bi, fi, :kk] = to_target(top_ids).cpu()
+        lps[bi, fi, :kk] = top_lp.cpu()
+        if probs is not None:
+            ids = to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
+            q = logprobs.new_zeros(len(rows), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
+            probs[bi, fi] = q.cpu()
+        return Expansion(tokens, lps, probs)
 
     def frontier_rows(self, batch: DraftBatch, out: ExtendOutput) -> list[tuple[int, int, int]]:
         """``(b, f, flat row of out)`` for every expanded frontier node."""

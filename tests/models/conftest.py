@@ -1,7 +1,6 @@
 """Fixtures for the native model tests."""
 
 import pytest
-import torch
 
 from tests.models.tiny_checkpoints import build_hf_model
 
