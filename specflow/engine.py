@@ -82,6 +82,8 @@ class SpecEngine:
         self.eos_token_ids = list(self.model.config.eos_token_ids)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
+        self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
+        self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -138,19 +140,30 @@ class SpecEngine:
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt with continuous batching; outputs in prompt order."""
+        """Generate for every prompt with continuous batching; outputs in prompt order.
+
+        Requests added earlier with ``add_request`` keep running alongside; their outputs are
+        handed back by the next ``step()`` call, never dropped.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        pending = set(ids)
         outputs: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while len(outputs) < len(ids):
+        while pending:
             for out in self.step():
+                if out.request_id not in pending:
+                    self._unclaimed.append(out)
+                    continue
+                pending.discard(out.request_id)
                 outputs[out.request_id] = out
                 if bar is not None:
                     bar.update(1)
@@ -178,12 +191,15 @@ class SpecEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: prefill newly admitted requests, then one speculative step over the
         running batch. Returns the outputs of requests that finished in it."""
-        finished = self._prefill(self.scheduler.admit())
+        finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
         while self.scheduler.running:
             batch = list(self.scheduler.running)
             roots = self._roots(batch)
             t0 = time.perf_counter()
-            tree = self._draft(batch, roots)
+            try:
+                tree = self._draft(batch, roots)
+            except OutOfPages:  # the drafter's own pool is full: verify the roots only this step
+                tree = DraftTree.root_only(roots)
             t1 = time.perf_counter()
             try:
                 out = self._target_forward(batch, tree)
@@ -321,6 +337,7 @@ class SpecEngine:
             else:
                 live.append((b, req, len(inputs[b])))
         if self.drafter is not None and live:
+            self._drafting.update(req.id for _, req, _ in live)
             self.drafter.begin(self._features(
                 [req for _, req, _ in live],
                 [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
@@ -328,21 +345,25 @@ class SpecEngine:
         return finished
 
     def _preempt(self) -> list[RequestOutput]:
-        """Out of pages mid-step: requeue the newest request, or stop a lone one that cannot grow."""
-        if len(self.scheduler.running) == 1:
-            req = self.scheduler.running[0]
+        """Out of pages mid-step: requeue the newest request; a request that could never be
+        admitted again (or a lone one that cannot grow) stops with finish_reason "length"."""
+        req = self.scheduler.running[-1]
+        if len(self.scheduler.running) == 1 or not self.scheduler.fits_alone(req):
             req.finish_reason = "length"
             return [self._finish(req)]
-        req = self.scheduler.preempt()
+        self.scheduler.preempt()
         self.runner.release([req.id])
-        if self.drafter is not None:
-            self.drafter.release([req.id])
+        self._release_drafter(req)
         return []
+
+    def _release_drafter(self, req: Request) -> None:
+        if req.id in self._drafting:
+            self._drafting.discard(req.id)
+            self.drafter.release([req.id])
 
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req)
         self.runner.release([req.id])
-        if self.drafter is not None:
-            self.drafter.release([req.id])
+        self._release_drafter(req)
         self._requests.pop(req.id, None)
         return req.output(self._decode_fn)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig
+
 from specflow.config import ConfigError, build_component
 from specflow.protocols import Drafter, TreeBuilder, Verifier
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
@@ -42,21 +44,28 @@ class Pipeline:
 
     @staticmethod
     def from_config(drafter: Any, tree: Any, verifier: Any, **ctx: Any) -> "Pipeline":
-        """Build the graph from config nodes; ``ctx`` (target runner, vocab size, ...) reaches
-        every component's ``from_config``."""
+        """Build the graph from config nodes (or already built components, used as they are);
+        ``ctx`` (target runner, vocab size, ...) reaches every component's ``from_config``."""
         if verifier is None:
             raise ConfigError("verifier: a verifier node is required; known types: "
                               + ", ".join(VERIFIERS.names()))
-        built_verifier = build_component(VERIFIERS, verifier, "verifier", **ctx)
+        built_verifier = _build(VERIFIERS, verifier, "verifier", ctx)
         if drafter is None:
             return Pipeline(None, None, built_verifier)
         if tree is None:
             raise ConfigError("tree: a drafter needs a tree node; known types: "
                               + ", ".join(TREE_BUILDERS.names()))
-        return Pipeline(build_component(DRAFTERS, drafter, "drafter", **ctx),
-                        build_component(TREE_BUILDERS, tree, "tree", **ctx), built_verifier)
+        return Pipeline(_build(DRAFTERS, drafter, "drafter", ctx), _build(TREE_BUILDERS, tree, "tree", ctx),
+                        built_verifier)
 
     def describe(self) -> str:
         if self.drafter is None:
             return "autoregressive"
         return f"{self.drafter.type_name} x {self.tree.type_name} x {self.verifier.type_name}"
+
+
+def _build(registry, node: Any, where: str, ctx: dict) -> Any:
+    """A config node (mapping, DictConfig or type name) is built; a component object passes through."""
+    if isinstance(node, (str, dict, DictConfig)):
+        return build_component(registry, node, where, **ctx)
+    return node

@@ -39,13 +39,18 @@ class Registry:
         self._entries: dict[str, tuple[type, type]] = {}
 
     def register(self, name: str, config: type) -> Callable[[type], type]:
-        """Class decorator: ``@DRAFTERS.register("ngram", config=NgramConfig)``."""
+        """Class decorator: ``@DRAFTERS.register("ngram", config=NgramConfig)``.
+
+        A class redefined under the same module and name (a re-run notebook cell, a reloaded
+        module) replaces its earlier version; any other class under a taken name is an error.
+        """
         assert dataclasses.is_dataclass(config), f"{name}: config must be a dataclass"
 
         def wrap(cls: type) -> type:
-            if name in self._entries and self._entries[name][0] is not cls:
+            old = self._entries.get(name, (cls,))[0]
+            if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
                 raise RegistryError(f"{self.kind} '{name}' is already registered "
-                                    f"(by {self._entries[name][0].__module__})")
+                                    f"(by {old.__module__}.{old.__qualname__})")
             self._entries[name] = (cls, config)
             cls.config_cls = config
             cls.type_name = name

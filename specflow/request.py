@@ -92,7 +92,7 @@ class Request:
         # a new match must end inside the newest token's text, so search from just before it
         text = decode(self.output_ids)
         start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
-        self._checked_len = len(text)
+        self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
         hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]
         if hits:
             self.text = text[:min(hits)]

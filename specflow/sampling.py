@@ -124,7 +124,7 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     top_p = sampling.top_p.to(logits.device).view(b, 1, 1)
     mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly better tokens
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)  # top_p 1: cumsum rounding cuts nothing
     min_p = sampling.min_p.to(logits.device).view(b, 1, 1)
     sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)

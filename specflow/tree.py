@@ -233,7 +233,7 @@ class StepRecord:
     tree: dict            # DraftTree.to_json
     accepted: list[int]   # node indices, root first
     bonus_token: int
-    timings: dict[str, float]  # seconds per stage: draft, verify (target forward + verifier), commit
+    timings: dict[str, float]  # seconds per stage: draft, verify (target forward + verifier)
 
     @property
     def accept_length(self) -> int:

@@ -113,3 +113,84 @@ def test_prompt_errors(engine):
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="context length"):
         engine.add_request([1] * 10, SamplingParams(max_tokens=10_000))
+
+
+# ---- regressions found in review -------------------------------------------------------------
+
+def test_a_full_drafter_pool_falls_back_to_plain_steps(tiny_target, engine):
+    prompt = list(range(1, 41))
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    small = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 64},
+                       {"type": "chain", "depth": 3}, {"type": "greedy"}, device="cpu", dtype="float32",
+                       kv_cache_tokens=4096)
+    out = small.generate([prompt], params)[0]
+    assert out.token_ids == engine.generate([prompt], params)[0].token_ids
+    assert max(out.accept_lengths) > 1 and out.accept_lengths[-1] == 1  # drafted early, then plain
+
+
+def test_a_preempted_request_that_can_never_fit_again_stops(tiny_target):
+    e = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target)}, {"type": "chain", "depth": 15},
+                   {"type": "greedy"}, device="cpu", dtype="float32", kv_cache_tokens=64, max_batch_size=2)
+    outs = e.generate([[1], list(range(2, 42))],
+                      [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, speculative=False),
+                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 30
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) < 40
+    assert e.runner.cache.num_pages_used == 0 and not e.has_unfinished()
+
+
+def test_generate_keeps_outputs_of_requests_added_before(engine):
+    early = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
+    outs = engine.generate(PROMPTS[1:], GREEDY)
+    assert [len(o.token_ids) for o in outs] == [24, 24]
+    assert [o.request_id for o in engine.step()] == [early]
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate(PROMPTS[:2], [GREEDY])
+
+
+def test_stop_string_across_a_split_character(engine):
+    from specflow.request import Request
+
+    ids = engine.tokenizer.convert_tokens_to_ids(["a", "b", "Ã", "©", "c"])  # byte-level: "é" is two tokens
+    assert engine.decode(ids) == "abéc"
+    for chunks in ([ids[:1], ids[1:2], ids[2:3], ids[3:4], ids[4:]], [ids]):  # token by token, or one step
+        req = Request(0, [1], SamplingParams(stop=["bé"], max_tokens=10), [])
+        for chunk in chunks:
+            req.append(chunk, engine.decode)
+        assert req.finished and req.output(engine.decode).text == "a"
+
+
+class CountingDrafter:
+    """A real n-gram drafter that counts the engine's begin / release calls per request."""
+
+    def __init__(self):
+        from drafters.ngram import NgramDrafter
+
+        self.inner, self.calls = NgramDrafter(), []
+        self.needs = self.inner.needs
+
+    def begin(self, features):
+        self.calls += [("begin", r) for r in features.request_ids]
+        self.inner.begin(features)
+
+    def expand(self, frontier):
+        return self.inner.expand(frontier)
+
+    def commit(self, verdict, features):
+        self.inner.commit(verdict, features)
+
+    def release(self, request_ids):
+        self.calls += [("release", r) for r in request_ids]
+        self.inner.release(request_ids)
+
+
+def test_drafter_begin_and_release_pair_up(tiny_target):
+    drafter = CountingDrafter()
+    e = SpecEngine(tiny_target, drafter, {"type": "chain", "depth": 2}, {"type": "greedy"}, device="cpu",
+                   dtype="float32", kv_cache_tokens=4096)
+    a = e.add_request(PROMPTS[0], SamplingParams(max_tokens=1))          # finishes inside prefill
+    b = e.add_request(PROMPTS[1], GREEDY)
+    e.step()
+    e.abort(b)
+    e.abort(b)
+    assert drafter.calls == [("begin", b), ("release", b)] and ("begin", a) not in drafter.calls

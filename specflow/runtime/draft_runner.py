@@ -91,18 +91,28 @@ class TreeDraftRunner:
         st.last_feature = features[-1]
 
     def plan(self, frontier: Frontier) -> DraftBatch:
-        """Decide which tokens each request feeds for this expansion."""
+        """Decide which tokens each request feeds for this expansion.
+
+        All or nothing: the pages are reserved before any state changes, so an OutOfPages
+        leaves every request as it was.
+        """
         tree = frontier.tree
         nodes_all = frontier.nodes.tolist()
-        batch = DraftBatch([], [], [], [], [])
-        for b, rid in enumerate(frontier.roots.request_ids):
-            nodes = [n for n in nodes_all[b] if n >= 0]
-            if not nodes:
-                continue
+        todo = [(b, rid, [n for n in nodes_all[b] if n >= 0]) for b, rid in enumerate(frontier.roots.request_ids)]
+        todo = [(b, rid, nodes) for b, rid, nodes in todo if nodes]
+        totals = []
+        for _, rid, nodes in todo:
             st = self.states.setdefault(rid, _DraftState())
+            if nodes == [0] and st.scratch:  # a build that never reached commit (e.g. a step given up)
+                self.runner.cache.truncate(rid, st.committed)
+                st.scratch, st.outputs = {}, {}
+            fed = len(st.pending) + 1 if nodes == [0] else len(nodes)
+            totals.append(self.runner.kv_len(rid) + fed)
+        self.runner.cache.reserve([rid for _, rid, _ in todo], totals)
+        batch = DraftBatch([], [], [], [], [])
+        for b, rid, nodes in todo:
+            st = self.states[rid]
             if nodes == [0]:  # a new tree: pending committed tokens, then the root, causal
-                if st.scratch:  # a build that never reached commit (e.g. preempted step)
-                    self.runner.cache.truncate(rid, st.committed)
                 root_pos = int(frontier.roots.positions[b])
                 assert st.committed + len(st.pending) == root_pos - self.shift, "drafter lost track of the sequence"
                 tokens = st.pending + [int(tree.tokens[b, 0])]
@@ -119,7 +129,8 @@ class TreeDraftRunner:
             else:
                 row = tree.tokens[b].tolist()
                 paths = [tuple(row[i] for i in tree.path_to(b, n)[1:]) for n in nodes]
-                assert all(p not in st.scratch for p in paths)
+                assert len(set(paths)) == len(paths) and all(p not in st.scratch for p in paths), \
+                    "siblings must carry distinct tokens"
                 cols = sorted(st.scratch, key=st.scratch.get) + paths
                 # a column is visible when its path is a prefix of the node's path (ancestor or self)
                 mask = torch.tensor([[p[: len(c)] == c for c in cols] for p in paths])  # [F, s + F]

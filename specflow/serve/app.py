@@ -1,0 +1,217 @@
+"""The FastAPI application: routes, OpenAI-style errors, the optional API key, and the server entry."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specflow.config import ConfigError, load_yaml, validate
+from specflow.engine import SpecEngine
+from specflow.pipeline import EngineConfig
+from specflow.serve.completions import ApiError, OpenAIServing
+from specflow.serve.engine_loop import EngineLoop, EngineNotRunning
+from specflow.serve.metrics import Metrics
+from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
+
+log = logging.getLogger("specflow.serve")
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class ServeConfig:
+    """A serve YAML: the model id that clients name (default: the target directory's name) and
+    the engine behind it (``spec_max_batch_size`` turns speculation off for larger batches)."""
+
+    name: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def load_serve_config(path: str | Path, overrides: list[str] | None = None) -> ServeConfig:
+    """Read a serve YAML with ``key=value`` overrides; a misspelt key names the valid ones."""
+    return validate(ServeConfig, load_yaml(path, overrides), "serve")
+
+
+class ApiKeyAuth:
+    """Answers 401 to ``/v1/*`` requests without ``Authorization: Bearer <key>``; ``/health`` and
+    ``/metrics`` stay open to probes and scrapers."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+                await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class CountResponses:
+    """Counts ``/v1/*`` responses by endpoint and status code into ``specflow_requests_total``."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic errors -> one 400 naming each bad field (or the JSON syntax error)."""
+    errors = exc.errors()
+    if any(e["type"] == "json_invalid" for e in errors):
+        msg = next(e for e in errors if e["type"] == "json_invalid").get("ctx", {}).get("error", "")
+        return JSONResponse(error_body(f"the request body is not valid JSON: {msg}"), 400)
+    if errors[0]["loc"] == ("body",) and errors[0]["type"] in ("missing", "model_attributes_type", "dict_type"):
+        return JSONResponse(error_body("the request body must be a JSON object "
+                                       "(with Content-Type: application/json)"), 400)
+    fields = [".".join(str(x) for x in e["loc"][1:]) for e in errors]   # "" for a whole-body check
+    message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, errors))
+    return JSONResponse(error_body(message, param=fields[0] or None), 400)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body, exc.status)
+
+
+async def _engine_not_running(_: Request, exc: EngineNotRunning) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "server_error"), 503)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, except that requests still running ``grace`` seconds after SIGINT / SIGTERM end
+    through the engine (``finish_reason: "abort"``, then ``[DONE]``) instead of having their
+    tasks cancelled mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace: float):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.grace = grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()   # refuse new connections while the ones in flight finish
+        deadline = time.monotonic() + self.grace
+        while self.engine_loop.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine_loop.in_flight:
+            log.warning("ending %d requests still running %s s after the signal", self.engine_loop.in_flight,
+                        self.grace)
+        self.engine_loop.cancel_all()
+        await super().shutdown(sockets)
+
+
+def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app over ``engine``; the engine thread runs for the app's lifespan."""
+    if engine.tokenizer is None:
+        raise ConfigError("serving needs a tokenizer: the target directory has no tokenizer files")
+    num_nodes = engine.tree_builder.num_draft_tokens if engine.drafter is not None else 1
+    metrics = Metrics(max_accept_length=num_nodes, num_kv_pages=engine.runner.cache.allocator.num_pages)
+    loop = EngineLoop(engine, metrics)
+    serving = OpenAIServing(loop, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="specflow", lifespan=lifespan)
+    app.state.engine_loop = loop
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(EngineNotRunning, _engine_not_running)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(CountResponses, metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = loop.alive
+        return JSONResponse({"status": "ok" if ok else "stopped"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=serving.context_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    return app
+
+
+def run_server(config: str | Path, overrides: list[str] | None = None, *, host: str = "127.0.0.1",
+               port: int = 8000, api_key: str | None = None, shutdown_timeout: int = 30) -> None:
+    """Load the engine of a serve YAML and serve it until SIGINT / SIGTERM.
+
+    On a signal the server stops accepting connections, lets requests in flight finish for up to
+    ``shutdown_timeout`` seconds, ends the rest with what they have (``finish_reason: "abort"``),
+    and exits with 0.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    cfg = load_serve_config(config, overrides)
+    engine = SpecEngine.from_config(cfg.engine)
+    name = cfg.name or Path(cfg.engine.target).name
+    app = build_app(engine, name, api_key)
+    log.info("serving '%s' (%s) on http://%s:%d", name, engine.pipeline.describe(), host, port)
+    # uvicorn's own graceful timeout only bounds the last writes: the engine has ended every request
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = GracefulServer(config, app.state.engine_loop, shutdown_timeout)
+    # uvicorn re-raises the signal it shut down on; after a graceful shutdown that means "exit 0"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass

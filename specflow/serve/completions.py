@@ -1,0 +1,267 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: OpenAI requests in, engine requests out, and
+engine deltas back as one JSON response or a stream of server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from specflow.request import RequestOutput
+from specflow.sampling import SamplingParams, TokenLogprob
+from specflow.serve.engine_loop import Delta, EngineLoop, Submission
+from specflow.serve.protocol import (
+    AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+    ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, SamplingFields,
+    TopLogprob, Usage, error_body)
+
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the response
+
+
+class ApiError(Exception):
+    """A request the server refuses; rendered as OpenAI's ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, type, param, code)
+
+
+def usage(outputs: list[RequestOutput], prompt_tokens: int) -> Usage:
+    """Token counts plus the accept-length statistics of every choice's speculative steps."""
+    completion = sum(len(o.token_ids) for o in outputs)
+    steps = [a for o in outputs for a in o.accept_lengths]
+    histogram = collections.Counter(steps)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion,
+                 accept_length=AcceptLengthStats(
+                     steps=len(steps), mean=sum(steps) / len(steps) if steps else 0.0,
+                     histogram={str(k): histogram[k] for k in sorted(histogram)}))
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    """One server-sent event carrying a JSON chunk."""
+    body = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {body}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """The two generation endpoints over one engine loop."""
+
+    def __init__(self, loop: EngineLoop, model_name: str):
+        self.loop = loop
+        self.model_name = model_name
+        self.tokenizer = loop.engine.tokenizer
+        self.context_len = loop.engine.model.config.max_position_embeddings
+        self._token_text: dict[int, str] = {}
+
+    # ----------------------------------------------------------------------------------------
+    # endpoints
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        prompts = [self.loop.engine.encode(p) for p in body.prompts()]
+        choices = [(ids, self._params(body, body.max_new_tokens, body.logprobs, i))
+                   for ids in prompts for i in range(body.n)]
+        sub = await self._submit(choices, "prompt")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)
+        offsets: dict[int, int] = collections.defaultdict(int)   # choice -> text offset so far
+
+        def chunk(d: Delta) -> CompletionResponse:
+            lp = self._completion_logprobs(d.logprobs, offsets, d.index) if d.logprobs is not None else None
+            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
+                CompletionChoice(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)])
+
+        def usage_chunk(outs: list[RequestOutput]) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                      usage=usage(outs, prompt_tokens))
+
+        if body.stream:
+            return self._stream(sub, [], chunk, usage_chunk if _include_usage(body) else None)
+        outs = await self._collect(sub, request)
+        if outs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return _json_response(CompletionResponse(
+            id=rid, created=created, model=self.model_name, usage=usage(outs, prompt_tokens),
+            choices=[CompletionChoice(
+                index=i, text=o.text, finish_reason=o.finish_reason,
+                logprobs=None if o.logprobs is None else self._completion_logprobs(o.logprobs, offsets, i))
+                for i, o in enumerate(outs)]))
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        ids = self._render_chat(body)
+        max_tokens = body.max_new_tokens or max(1, self.context_len - len(ids))
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        sub = await self._submit([(ids, self._params(body, max_tokens, top_n, i)) for i in range(body.n)],
+                                 "messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(d: Delta) -> ChatCompletionChunk:
+            lp = None if d.logprobs is None else self._chat_logprobs(d.logprobs)
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
+                ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=lp,
+                                finish_reason=d.finish_reason)])
+
+        def usage_chunk(outs: list[RequestOutput]) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+                                       usage=usage(outs, len(ids)))
+
+        if body.stream:
+            first = [ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
+                ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(body.n)]
+            return self._stream(sub, first, chunk, usage_chunk if _include_usage(body) else None)
+        outs = await self._collect(sub, request)
+        if outs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return _json_response(ChatCompletionResponse(
+            id=rid, created=created, model=self.model_name, usage=usage(outs, len(ids)),
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                                logprobs=None if o.logprobs is None else self._chat_logprobs(o.logprobs))
+                     for i, o in enumerate(outs)]))
+
+    # ----------------------------------------------------------------------------------------
+    # requests in
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of a conversation, through the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, f"the model '{self.model_name}' has no chat template; add a 'chat_template' "
+                                "to its tokenizer_config.json, or use /v1/completions with a plain prompt",
+                           param="messages", code="chat_template_missing")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
+                                                      tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+
+    @staticmethod
+    def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """Choice ``i`` of ``n`` samples with seed ``seed + i``, so choices differ but reproduce."""
+        return SamplingParams(
+            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            max_tokens=max_tokens, seed=None if body.seed is None else body.seed + choice, stop=body.stop,
+            ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs)
+
+    async def _submit(self, choices: list[tuple[list[int], SamplingParams]], param: str) -> Submission:
+        try:
+            return await self.loop.submit(choices)
+        except ValueError as e:   # the engine's own check: context length, KV cache size, vocabulary
+            raise ApiError(400, str(e), param=param) from None
+
+    # ----------------------------------------------------------------------------------------
+    # responses out
+
+    async def _collect(self, sub: Submission, request: Request) -> list[RequestOutput] | None:
+        """Every choice's final output, or None when the client disconnected first (its requests
+        are aborted at once)."""
+        outs: dict[int, RequestOutput] = {}
+
+        async def gather() -> None:
+            while len(outs) < len(sub.choices):
+                d = await sub.deltas.get()
+                if d.finish_reason == "error":
+                    raise ApiError(500, "the engine failed while generating; see the server log",
+                                   type="server_error")
+                if d.output is not None:
+                    outs[d.index] = d.output
+
+        work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            work.cancel()
+            if len(outs) < len(sub.choices):
+                self.loop.abort(sub)
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            raise work.exception()
+        return [outs[i] for i in range(len(sub.choices))] if len(outs) == len(sub.choices) else None
+
+    def _stream(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel],
+                final: Callable[[list[RequestOutput]], BaseModel] | None) -> StreamingResponse:
+        return StreamingResponse(self._events(sub, first, chunk, final), media_type="text/event-stream")
+
+    async def _events(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel],
+                      final: Callable[[list[RequestOutput]], BaseModel] | None) -> AsyncIterator[str]:
+        """Server-sent events until every choice finished, then ``[DONE]``. If the client goes away,
+        Starlette cancels this generator mid-await and ``finally`` aborts the requests at once."""
+        outs: dict[int, RequestOutput] = {}
+        try:
+            for c in first:
+                yield sse(c)
+            while len(outs) < len(sub.choices):
+                d = await sub.deltas.get()
+                if d.finish_reason == "error":
+                    yield sse(error_body("the engine failed while generating; see the server log", "server_error"))
+                    return
+                if d.output is not None:
+                    outs[d.index] = d.output
+                if d.text or d.finish_reason or d.logprobs:
+                    yield sse(chunk(d))
+            if final is not None:
+                yield sse(final([outs[i] for i in range(len(sub.choices))]))
+            yield "data: [DONE]\n\n"
+        finally:
+            if len(outs) < len(sub.choices):
+                self.loop.abort(sub)
+
+    def _text(self, token_id: int) -> str:
+        if token_id not in self._token_text:
+            self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return self._token_text[token_id]
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offsets: dict[int, int],
+                             index: int) -> CompletionLogprobs:
+        """Legacy completions format: each token's string, log-probability, top alternatives
+        (plus the chosen token) keyed by string, and its character offset in the completion."""
+        tokens = [self._text(lp.token_id) for lp in logprobs]
+        text_offset = []
+        for t in tokens:
+            text_offset.append(offsets[index])
+            offsets[index] += len(t)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], text_offset=text_offset,
+            top_logprobs=[{**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
+                          for tok, lp in zip(tokens, logprobs)])
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            text = self._text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
+                             top_logprobs=[entry(t, v) for t, v in lp.top])
+            for lp in logprobs])
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _json_response(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")

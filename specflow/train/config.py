@@ -1,0 +1,96 @@
+"""Training configs: the recipe registry and the typed config of one ``specflow train`` run.
+
+A training config names a recipe (``recipe: {type: eagle, ...}``) and shares everything else:
+data, optimiser and Lightning trainer settings (accelerator, devices, strategy, num_nodes, so
+DDP / FSDP / multi-node need no code change). Loss curves land in ``log_dir`` as
+``metrics.csv`` + ``loss.png``; the trained weights are exported in their public layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from specflow.config import component_config, load_yaml, validate
+from specflow.registry import Registry
+from specflow.train.data import DataConfig
+
+RECIPES = Registry("recipe", """\
+A training recipe builds a LightningModule and its data, and exports the result.
+  setup(run) -> TrainJob          - module, training dataset, validation dataset (or None)
+  export(run, state, out)         - write the public checkpoint layout from the module's full state dict""")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 100
+    batch_size: int = 16
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings; ``strategy`` (ddp, fsdp, ...), ``devices`` and ``num_nodes``
+    scale a recipe out with no code change. ``num_threads`` caps torch's CPU threads (None: leave)."""
+
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    strategy: str = "auto"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 1000
+    max_time: str | None = None            # "DD:HH:MM:SS"; stops early, whatever max_steps says
+    val_check_interval: int | None = None  # steps between validations (None: end of each epoch)
+    limit_val_batches: int | None = None
+    log_every_n_steps: int = 10
+    gradient_clip_val: float | None = 1.0
+    accumulate_grad_batches: int = 1
+    enable_progress_bar: bool = True
+    num_threads: int | None = None
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """One training run: a recipe against an (optional) target, with shared data/optim/trainer."""
+
+    name: str = "train"
+    output_dir: str = "???"                # the exported checkpoint directory
+    target: str | None = None              # the target checkpoint (distillation and heads)
+    seed: int = 0
+    recipe: Any = field(default_factory=lambda: {"type": "lm"})
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    log_dir: str | None = None             # loss curves and resolved config (default runs/train/<name>)
+
+
+@dataclass
+class TrainJob:
+    """What a recipe's ``setup`` returns."""
+
+    module: Any                            # a LightningModule
+    train_data: Dataset
+    val_data: Dataset | None = None
+    info: dict = field(default_factory=dict)   # provenance for the summary (corpus, sizes, ...)
+
+
+class Recipe(Protocol):
+    def setup(self, run: TrainConfig) -> TrainJob: ...
+    def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None: ...
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Validate a training YAML (+ ``key=value`` overrides); the recipe node against its recipe."""
+    cfg = validate(TrainConfig, load_yaml(path, overrides), "train")
+    component_config(RECIPES, cfg.recipe, "train.recipe")   # fail now on a bad recipe node
+    return cfg

@@ -1,0 +1,49 @@
+"""What every head recipe shares: the frozen target, its tokenizer and data, and the target pass
+that records the features a head learns from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer
+
+from specflow.config import ConfigError
+from specflow.models import LlamaForCausalLM, load_model
+from specflow.train.config import TrainConfig
+from specflow.train.data import ChunkDataset, training_chunks
+from specflow.train.lm import causal_forward
+from specflow.train.module import frozen
+
+
+@dataclass
+class HeadData:
+    target: LlamaForCausalLM            # frozen
+    train: ChunkDataset
+    val: ChunkDataset | None
+    info: dict
+
+
+def head_data(run: TrainConfig, recipe: str) -> HeadData:
+    """Load ``run.target`` (frozen) and cut its tokenizer's view of the data into chunks."""
+    if run.target is None:
+        raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
+    tokenizer = AutoTokenizer.from_pretrained(run.target)
+    target = frozen(load_model(run.target))
+    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed)
+    return HeadData(target, train, val, info)
+
+
+@torch.no_grad()
+def target_pass(target: LlamaForCausalLM, tokens: Tensor,
+                taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The frozen target over ``tokens [B, S + 1]``: final hidden ``[B, S + 1, H]``, next-token
+    probabilities ``[B, S + 1, V]`` (float32) and the tapped layer inputs ``[B, S + 1, H]`` each."""
+    hidden, tapped = causal_forward(target, tokens, taps)
+    probs = target.compute_logits(hidden).float().softmax(-1)
+    return hidden, probs, tapped
+
+
+def count_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

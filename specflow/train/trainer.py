@@ -1,0 +1,92 @@
+"""The Lightning loop behind ``specflow train``: fit a recipe, export its checkpoint and loss curves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from specflow.config import build_component, dump_yaml
+from specflow.train.config import RECIPES, TrainConfig
+
+
+@dataclass
+class TrainResult:
+    """A finished run: its summary (steps, wall time, last logged losses, provenance) and the
+    trained LightningModule (on rank zero, the exported weights are this module's)."""
+
+    summary: dict
+    module: Any
+
+
+def train(run: TrainConfig) -> TrainResult:
+    """Fit the recipe with Lightning, then export the checkpoint and the loss curves."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    if run.trainer.num_threads is not None:
+        torch.set_num_threads(run.trainer.num_threads)
+    L.seed_everything(run.seed, workers=True, verbose=False)
+    recipe = build_component(RECIPES, run.recipe, "train.recipe")
+    job = recipe.setup(run)
+    log_dir = Path(run.log_dir or Path("runs/train") / run.name)
+    t = run.trainer
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+        precision=t.precision, max_steps=t.max_steps, max_time=t.max_time,
+        val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
+        limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
+        gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0, logger=CSVLogger(str(log_dir), name="", version=""),
+        default_root_dir=str(log_dir))
+    g = torch.Generator().manual_seed(run.seed)
+    train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, shuffle=True,
+                              drop_last=True, generator=g, num_workers=t.num_workers)
+    val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers)
+                  if job.val_data is not None else None)
+    start = time.time()
+    trainer.fit(job.module, train_loader, val_loader)
+    wall = time.time() - start
+    state = trainer.strategy.lightning_module_state_dict()   # gathered in full under FSDP
+    tokens = (trainer.global_step * t.accumulate_grad_batches * trainer.world_size
+              * run.optim.batch_size * run.data.seq_len)
+    summary = {"name": run.name, "steps": trainer.global_step, "tokens_seen": tokens, "wall_s": round(wall, 1),
+               **{k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}, **job.info}
+    if trainer.is_global_zero:
+        out = Path(run.output_dir)
+        recipe.export(run, {k: v.detach().cpu() for k, v in state.items()}, out)
+        dump_yaml(dataclasses.asdict(run), log_dir / "train_config.yaml")
+        (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_losses(log_dir / "metrics.csv", log_dir / "loss.png", run.name)
+    return TrainResult(summary, job.module)
+
+
+def plot_losses(metrics_csv: Path, png: Path, title: str) -> None:
+    """Every ``*loss``/``*ce`` column of Lightning's CSV log against the step, one PNG."""
+    import csv
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(metrics_csv.open()))
+    keys = [k for k in (rows[0] if rows else {}) if k.endswith(("loss", "ce")) or "/ce" in k]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in keys:
+        pts = [(int(r["step"]), float(r[k])) for r in rows if r.get(k)]
+        if pts:
+            ax.plot(*zip(*pts), label=k, marker="o" if k.startswith("val") else None, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
