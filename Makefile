@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/specflow run configs/quickstart.yaml
 
 test: setup
-	$(VENV)/bin/pytest -n 2 -q
+	$(VENV)/bin/pytest -n 2 --dist loadgroup -q
 
 test-slow: setup
 	$(VENV)/bin/pytest -m slow -q

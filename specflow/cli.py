@@ -1,4 +1,4 @@
-"""``specflow run | sweep | bench | list | make-model | app`` (serve, train join as they land)."""
+"""``specflow run | sweep | serve | app | train | bench | list | make-model``."""
 
 from __future__ import annotations
 

@@ -96,6 +96,10 @@ class SpecEngine:
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":
         """Build from an engine YAML (the ``engine:`` section of an experiment, or a bare one)."""
         cfg = load_yaml(path, overrides)
+        if "engine" in cfg:  # an experiment or serve file: overrides must reach its engine section
+            stray = [o for o in overrides or [] if not o.startswith("engine.")]
+            if stray:
+                raise ConfigError(f"override '{stray[0]}' does not reach the engine; write engine.{stray[0]}")
         node = cfg.engine if "engine" in cfg else cfg
         return cls.from_config(validate(EngineConfig, node, "engine"))
 

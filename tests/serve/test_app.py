@@ -1,0 +1,136 @@
+"""The HTTP surface of the speculative server: models / health / metrics, OpenAI-style 4xx errors
+for every bad input while a good request is served alongside, the API key, and client
+disconnects returning their KV pages at once."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD = {"model": MODEL, "prompt": "def main():", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+# (name, endpoint, body or raw bytes, status, param the error names or a fragment of its message)
+BAD = [
+    ("malformed json", "completions", b'{"model": "tiny-chat", "prompt": "x", "max_tok', 400, "not valid JSON"),
+    ("body not an object", "completions", [1, 2], 400, "must be a JSON object"),
+    ("wrong type temperature", "completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("wrong type max_tokens", "completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("wrong type stream", "completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("wrong type prompt", "completions", {**GOOD, "prompt": 5}, 400, "prompt"),
+    ("wrong type messages", "chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("unknown field", "completions", {**GOOD, "best_of_all": 2}, 400, "best_of_all"),
+    ("missing prompt", "completions", {"model": MODEL}, 400, "prompt"),
+    ("empty prompt", "completions", {**GOOD, "prompt": []}, 400, "prompt"),
+    ("empty messages", "chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("unknown role", "chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages.0.role"),
+    ("temperature > 2", "completions", {**GOOD, "temperature": 3}, 400, "temperature"),
+    ("top_p = 0", "completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("top_k = 0", "completions", {**GOOD, "top_k": 0}, 400, "top_k"),
+    ("min_p > 1", "completions", {**GOOD, "min_p": 2}, 400, "min_p"),
+    ("n = 0", "completions", {**GOOD, "n": 0}, 400, "n"),
+    ("max_tokens = 0", "completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("logprobs > 20", "completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
+    ("negative seed", "completions", {**GOOD, "seed": -1}, 400, "seed"),
+    ("empty stop string", "completions", {**GOOD, "stop": [""]}, 400, "stop"),
+    ("penalty", "completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("stream_options without stream", "completions", {**GOOD, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("top_logprobs without logprobs", "chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("unknown model", "completions", {**GOOD, "model": "gpt-5"}, 404, "model"),
+    ("prompt longer than the context", "completions", {**GOOD, "prompt": [7] * 5000}, 400, "context length"),
+    ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 5000}, 400, "context length"),
+    ("prompt larger than the KV cache", "completions", {**GOOD, "prompt": [7] * 600}, 400, "KV cache"),
+    ("token id outside the vocabulary", "completions", {**GOOD, "prompt": [1, 2, 100000]}, 400, "vocabulary"),
+]
+
+
+def post(url: str, endpoint: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}/v1/{endpoint}", content=content, timeout=120,
+                      headers={**AUTH, "Content-Type": "application/json"})
+
+
+def test_models_health_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specflow_requests_total", "specflow_prompt_tokens_total", "specflow_generation_tokens_total",
+                 "specflow_accept_length_bucket", "specflow_step_seconds_bucket", "specflow_queue_length",
+                 "specflow_running_requests", "specflow_kv_pages_used", "specflow_kv_pages_total"):
+        assert name in text
+
+
+def test_bad_inputs_are_openai_errors_while_a_good_request_is_served(server):
+    good_stream = {**GOOD, "max_tokens": 32, "stream": True}
+    expected = post(server.url, "completions", {**GOOD, "max_tokens": 32}).json()["choices"][0]["text"]
+    with ThreadPoolExecutor(8) as pool:
+        good = pool.submit(post, server.url, "completions", good_stream)
+        bad = list(pool.map(lambda case: post(server.url, case[1], case[2]), BAD))
+    for (name, _, _, status, where), response in zip(BAD, bad):
+        assert response.status_code == status, name
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, name
+        assert error["type"] == "invalid_request_error", name
+        assert where in error["message"] or where == error["param"], (name, error)
+    events = [line[6:] for line in good.result().text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=9)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=9999)
+
+
+def test_api_key(server):
+    anonymous = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    response = httpx.post(server.url + "/v1/completions", json=GOOD)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200   # probes and scrapers need no key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def wait_for_no_pages(server, polls: int = 600) -> None:
+    for _ in range(polls):
+        if server.metric("specflow_kv_pages_used") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the KV pages of the disconnected request were never freed")
+
+
+def test_stream_disconnect_frees_pages_at_once(server):
+    aborted = server.metric("specflow_requests_finished_total", finish_reason="abort")
+    body = {**GOOD, "max_tokens": 480, "stream": True, "speculative": False}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
+        lines = response.iter_lines()   # held, so that the stream stays open until the block ends
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        assert server.metric("specflow_kv_pages_used") > 0
+    wait_for_no_pages(server)
+    assert server.metric("specflow_requests_finished_total", finish_reason="abort") == aborted + 1
+    assert server.metric("specflow_running_requests") == 0
+
+
+def test_non_streaming_disconnect_frees_pages(server):
+    aborted = server.metric("specflow_requests_finished_total", finish_reason="abort")
+    body = {**GOOD, "max_tokens": 480, "speculative": False}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 480 tokens
+        httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.2))
+    wait_for_no_pages(server)
+    assert server.metric("specflow_requests_finished_total", finish_reason="abort") == aborted + 1

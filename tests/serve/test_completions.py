@@ -1,0 +1,154 @@
+"""Generation through the real `openai` client against the speculative server: the same text as
+plain decoding in-process, streaming equal to non-streaming, chat templates, n / seed, logprobs
+under speculation, and 32 concurrent requests under KV pressure equal to sequential ones."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specflow import SamplingParams, SpecEngine
+from tests.serve.conftest import KV_CACHE_TOKENS, MODEL, NUM_DRAFT_TOKENS
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Stack:\n    def push(self, item):"]
+GREEDY = {"temperature": 0.0, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def reference(chat_target):
+    """Plain decoding of the same checkpoint, in this process."""
+    return SpecEngine(chat_target, device="cpu", dtype="float32")
+
+
+def stream_text(chunks, n: int = 1, chat: bool = False) -> tuple[list[str], list[str | None], object]:
+    """Concatenated text and finish reason of each choice of an SSE stream, and its usage chunk."""
+    texts, finish, usage = [""] * n, [None] * n, None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += (c.delta.content or "") if chat else c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return texts, finish, usage
+
+
+def stop_string(text: str) -> str:
+    """Two characters from ``text`` after its start, neither an undecodable byte, so that the
+    stop string occurs mid-generation."""
+    for i in range(2, len(text) - 2):
+        if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip():
+            return text[i:i + 2]
+    raise AssertionError(f"no stop string candidate in {text!r}")
+
+
+def test_completion_equals_plain_decoding(client, reference):
+    """Speculation is lossless at temperature 0: the server's text is plain decoding's text."""
+    expected = reference.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    for prompt, ref in zip(PROMPTS, expected):
+        out = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+        assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        stats = out.usage.model_extra["accept_length"]   # the extension: per-step accept lengths
+        assert stats["mean"] > 1 and sum(int(k) * v for k, v in stats["histogram"].items()) == 15
+
+
+def test_prompt_as_token_ids_and_batch_of_prompts(client, reference):
+    ids = [reference.encode(p) for p in PROMPTS]
+    out = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    single = [client.completions.create(model=MODEL, prompt=p, **GREEDY).choices[0].text for p in PROMPTS]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == single
+
+
+@pytest.mark.parametrize("stop", [None, "stop-string"])
+def test_completion_stream_equals_non_streaming(client, stop):
+    for prompt in PROMPTS:
+        kwargs = dict(GREEDY, max_tokens=24, n=2)
+        if stop:
+            free = client.completions.create(model=MODEL, prompt=prompt, **kwargs).choices[0].text
+            kwargs["stop"] = [stop_string(free)]
+        full = client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+        chunks = client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                           stream_options={"include_usage": True}, **kwargs)
+        texts, finish, usage = stream_text(chunks, n=2)
+        assert texts == [c.text for c in full.choices] and finish == [c.finish_reason for c in full.choices]
+        assert usage.completion_tokens == full.usage.completion_tokens
+        assert usage.model_extra["accept_length"] == full.usage.model_extra["accept_length"]
+        if stop:
+            assert full.choices[0].finish_reason == "stop" and kwargs["stop"][0] not in full.choices[0].text
+
+
+def test_chat_renders_the_template(client, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref = reference.generate([reference.tokenizer.encode(prompt, add_special_tokens=False)],
+                             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_chat_stream_equals_non_streaming(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "import os"}]}]
+    kwargs = dict(GREEDY, max_tokens=24, n=2)
+    full = client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kwargs))
+    assert {c.choices[0].index for c in chunks[:2]} == {0, 1} and chunks[0].choices[0].delta.role == "assistant"
+    texts, finish, usage = stream_text(chunks, n=2, chat=True)
+    assert texts == [c.message.content for c in full.choices]
+    assert finish == [c.finish_reason for c in full.choices] == ["length", "length"]
+    assert usage.total_tokens == full.usage.total_tokens
+
+
+def test_n_choices_use_consecutive_seeds(client):
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 11}
+    many = client.completions.create(n=3, **kwargs)
+    again = client.completions.create(n=3, **kwargs)
+    assert [c.text for c in many.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in many.choices}) > 1
+    second = client.completions.create(**{**kwargs, "seed": 12})
+    assert second.choices[0].text == many.choices[1].text
+
+
+def test_logprobs_under_speculation_equal_plain_decoding(client):
+    """Committed tokens' log-probabilities come from the target at the node that committed them,
+    so a speculative request reports what a plain one does."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], logprobs=3, **GREEDY)
+    spec = client.completions.create(**kwargs)
+    plain = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "speculative": False}})
+    assert spec.usage.model_extra["accept_length"]["mean"] > 1
+    assert plain.usage.model_extra["accept_length"]["mean"] == 1
+    a, b = spec.choices[0].logprobs, plain.choices[0].logprobs
+    assert a.tokens == b.tokens and len(a.tokens) == 16
+    torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs))
+    for top_a, top_b, tok, lp in zip(a.top_logprobs, b.top_logprobs, a.tokens, a.token_logprobs):
+        assert top_a.keys() == top_b.keys() and top_a[tok] == lp and lp == max(top_a.values())  # greedy
+
+    messages = [{"role": "user", "content": "x = 1"}]
+    chat = dict(model=MODEL, messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    spec = client.chat.completions.create(**chat).choices[0].logprobs.content
+    plain = client.chat.completions.create(
+        **{**chat, "extra_body": {"ignore_eos": True, "speculative": False}}).choices[0].logprobs.content
+    assert [t.token for t in spec] == [t.token for t in plain] and len(spec) == 16
+    torch.testing.assert_close(torch.tensor([[t.logprob] + [x.logprob for x in t.top_logprobs] for t in spec]),
+                               torch.tensor([[t.logprob] + [x.logprob for x in t.top_logprobs] for t in plain]))
+
+
+def test_32_concurrent_requests_under_kv_pressure_equal_sequential(client, server, reference):
+    """Requests that do not fit wait for pages instead of failing; batching changes no output. Above
+    spec_max_batch_size (8) steps do not speculate, so the concurrent run takes more steps."""
+    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(32)]
+    lengths = [len(reference.encode(p)) for p in prompts]
+    assert sum(n + 24 + NUM_DRAFT_TOKENS for n in lengths) > 2 * KV_CACHE_TOKENS  # most must queue
+
+    def complete(prompt: str) -> tuple[str, int]:
+        out = client.completions.create(model=MODEL, prompt=prompt, **dict(GREEDY, max_tokens=24))
+        return out.choices[0].text, out.usage.model_extra["accept_length"]["steps"]
+
+    sequential = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(32) as pool:
+        concurrent = list(pool.map(complete, prompts))
+    assert [text for text, _ in concurrent] == [text for text, _ in sequential]
+    assert sum(steps for _, steps in concurrent) > sum(steps for _, steps in sequential)
+    assert server.metric("specflow_kv_pages_used") == 0 and server.metric("specflow_queue_length") == 0
