@@ -55,6 +55,24 @@ def test_duplicate_registration_fails():
             pass
 
 
+def test_redefined_class_replaces_its_registration():
+    """Re-running a notebook cell defines a new class object with the same module and name."""
+    reg = Registry("thing", "a test registry")
+
+    @dataclass
+    class Cfg:
+        x: int = 1
+
+    versions = []
+    for _ in range(2):
+        @reg.register("a", config=Cfg)
+        class A:
+            pass
+        versions.append(A)
+    assert versions[0] is not versions[1]
+    assert reg.get("a") == (versions[1], Cfg)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
     cfg = load_yaml(path)
