@@ -16,7 +16,7 @@ from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner
-from specflow.sampling import SamplingBatch, SamplingParams, sample, target_probs, token_logprobs
+from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -210,7 +210,7 @@ class SpecEngine:
             except OutOfPages:
                 finished += self._preempt()
                 continue
-            verdict = self.verifier.verify(tree, self._tree_logits(tree, out), self._sampling(batch))
+            verdict = self._verify(tree, out, batch)
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
             finished += self._commit(batch, tree, verdict, out, timings)
@@ -253,13 +253,21 @@ class SpecEngine:
             taps=needs.layer_taps if needs else ())
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
-        if tree.num_nodes == 1:
-            return out.logits[:, None]                                       # [B, 1, V]
         logits = out.logits.new_zeros(tree.batch_size, tree.num_nodes, out.logits.shape[-1])
         for b in range(tree.batch_size):
             rows = out.rows(b)
             logits[b, : rows.stop - rows.start] = out.logits[rows]          # [n_b, V]
         return logits                                                        # [B, N, V]
+
+    def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request]) -> Verdict:
+        """The verifier's walk; a root-only tree (plain decoding) just samples the next token, as
+        prefill does, with no tree to walk."""
+        sampling = self._sampling(batch)
+        if tree.num_nodes > 1:
+            return self.verifier.verify(tree, self._tree_logits(tree, out), sampling)
+        bonus = torch.tensor(sample_rows(target_probs(out.logits[:, None], sampling)[:, 0], sampling))
+        zeros = torch.zeros(len(batch), 1, dtype=torch.long)
+        return Verdict(zeros, zeros[:, 0], bonus)
 
     def _sampling(self, batch: list[Request]) -> SamplingBatch:
         return SamplingBatch.from_params([r.params for r in batch], [r.generator for r in batch])
@@ -328,11 +336,12 @@ class SpecEngine:
         except OutOfPages:
             self.scheduler.requeue(reqs)
             return []
-        probs = target_probs(out.logits[:, None], self._sampling(reqs))[:, 0]    # [B, V]
+        sampling = self._sampling(reqs)
+        first = sample_rows(target_probs(out.logits[:, None], sampling)[:, 0], sampling)
         finished, live = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
-                token = sample(probs[b], req.generator)
+                token = first[b]
                 req.append([token], self._decode_fn)
                 if req.logprobs is not None:
                     req.logprobs += token_logprobs(out.logits[b:b + 1], [token], req.params.logprobs)

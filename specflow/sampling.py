@@ -137,6 +137,13 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
+def sample_rows(probs: Tensor, sampling: SamplingBatch) -> list[int]:
+    """One token per row of [B, V] processed probs: the argmax for greedy rows (their probs are
+    one-hot), else a draw with the row's generator."""
+    greedy, argmax = sampling.greedy.tolist(), probs.argmax(-1).tolist()
+    return [argmax[b] if greedy[b] else sample(probs[b], sampling.generators[b]) for b in range(len(greedy))]
+
+
 def uniform(generator: torch.Generator) -> float:
     """One U[0, 1) draw from a request's generator."""
     return float(torch.rand((), generator=generator))

@@ -101,7 +101,8 @@ class DraftTree:
             scores=torch.ones((b, 1), device=roots.tokens.device),
             valid=torch.ones((b, 1), dtype=torch.bool, device=roots.tokens.device),
             sampled=torch.zeros((b, 1), dtype=torch.bool, device=roots.tokens.device),
-        ).with_mask()
+            mask=torch.ones((b, 1, 1), dtype=torch.bool, device=roots.tokens.device),
+        )
 
     def pad_to(self, n: int) -> "DraftTree":
         """Append padding nodes (invalid, token 0, under the root) up to n nodes."""

@@ -30,7 +30,19 @@ class ForwardBatch:
     qo_lens: list[int]                # new tokens per request
     tree_masks: list[Tensor | None]   # per request [q, m >= q] bool over the last m tokens; None = causal
     slot_mapping: Tensor              # [T] pool slot each new token's K/V is written to
-    kv_slots: list[Tensor]            # per request [prefix + q] slots of every visible token
+    kv_index: Tensor                  # [B, max_kv] pool slots of every visible token (0 past the end)
+
+    @staticmethod
+    def build(cache: PagedKVCache, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int],
+              positions: Tensor, tree_masks: list[Tensor | None] | None = None) -> "ForwardBatch":
+        """Lay out a forward whose pages are already reserved (vectorised over the batch)."""
+        kv_index = cache.batch_slots(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
+        b, max_q = len(request_ids), max(qo_lens)
+        i = torch.arange(max_q)
+        new = i[None] < torch.tensor(qo_lens)[:, None]                                  # [B, max_q]
+        at = (torch.tensor(prefix_lens)[:, None] + i[None]).clamp(max=kv_index.shape[1] - 1)
+        return ForwardBatch(list(request_ids), positions, list(prefix_lens), list(qo_lens),
+                            tree_masks or [None] * b, kv_index.gather(1, at)[new], kv_index)
 
 
 class AttentionBackend(Protocol):
@@ -48,43 +60,37 @@ class TorchBackend:
 
     def plan(self, batch: ForwardBatch) -> None:
         device = self.cache.k.device
-        b = len(batch.request_ids)
+        b, max_kv = batch.kv_index.shape
         max_q = max(batch.qo_lens)
-        kv_lens = [p + q for p, q in zip(batch.prefix_lens, batch.qo_lens)]
-        max_kv = max(kv_lens)
-        kv_index = torch.zeros(b, max_kv, dtype=torch.long)
-        mask = torch.zeros(b, max_q, max_kv, dtype=torch.bool)
-        q_rows = []  # flat token t -> padded row b * max_q + i
-        key_pos = torch.zeros(b, max_kv, dtype=torch.long)
-        query_pos = torch.zeros(b, max_q, dtype=torch.long)
-        start = 0
-        for r, (p, q) in enumerate(zip(batch.prefix_lens, batch.qo_lens)):
-            kv_index[r, : p + q] = batch.kv_slots[r]
-            own = batch.tree_masks[r]
-            if own is None:
-                own = torch.ones(q, q, dtype=torch.bool).tril_()
-            m = own.shape[1]
-            mask[r, :q, : p + q - m] = True
-            mask[r, :q, p + q - m : p + q] = own
-            mask[r, q:, 0] = True  # padded query rows attend to something; their output is dropped
-            pos = batch.positions[start : start + q].cpu()
-            key_pos[r, :p] = torch.arange(p)  # sliding windows assume committed tokens at their index
-            key_pos[r, p : p + q] = pos
-            query_pos[r, :q] = pos
-            q_rows.append(torch.arange(q) + r * max_q)
-            start += q
+        p = torch.tensor(batch.prefix_lens)[:, None, None]                             # [B, 1, 1]
+        q = torch.tensor(batch.qo_lens)[:, None, None]                                 # [B, 1, 1]
+        i = torch.arange(max_q)[None, :, None]                                         # query index
+        j = torch.arange(max_kv)[None, None, :]                                        # key index
+        mask = (j <= p + i) & (j < p + q)  # causal over the new tokens, the whole prefix visible
+        for r, own in enumerate(batch.tree_masks):
+            if own is not None:  # the last m visible tokens follow the tree mask
+                n, m = batch.qo_lens[r], own.shape[1]
+                start = batch.prefix_lens[r] + n - m
+                mask[r, :n, start : start + m] = own
+        new = (i < q)[..., 0]                                                          # [B, max_q]
         if self.sliding_window is not None:
+            query_pos = torch.zeros(b, max_q, dtype=torch.long)
+            query_pos[new] = batch.positions.cpu()
+            # committed tokens sit at their index; new tokens at their (tree) positions
+            key_pos = torch.arange(max_kv).repeat(b, 1)
+            at = (p[:, :, 0] + torch.arange(max_q)[None]).clamp(max=max_kv - 1)
+            key_pos.scatter_(1, at, torch.where(new, query_pos, key_pos.gather(1, at)))
             mask &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window
-            for r, q in enumerate(batch.qo_lens):
-                mask[r, q:, 0] = True
-        self.batch = batch
+        mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
-        self.kv_index = kv_index.to(device)                  # [B, max_kv]
+        self.kv_index = batch.kv_index.to(device)                                      # [B, max_kv]
         # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
         bias = torch.zeros(mask.shape, dtype=self.cache.k.dtype).masked_fill_(~mask, float("-inf"))
-        self.mask = bias[:, None].to(device)                 # [B, 1, max_q, max_kv]
-        self.q_rows = torch.cat(q_rows).to(device)           # [T]
-        self.slot_mapping = batch.slot_mapping.to(device)    # [T]
+        self.mask = bias[:, None].to(device)                                           # [B, 1, max_q, max_kv]
+        rows = torch.arange(b * max_q).view(b, max_q)
+        self.q_rows = rows[new].to(device)                                             # [T] padded row of each token
+        self.unpadded = bool(new.all())                                                # every request has max_q tokens
+        self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the cache first."""
@@ -93,7 +99,7 @@ class TorchBackend:
         v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
         b, max_q, max_kv = self.shape
         t, hq, d = q.shape
-        q_pad = q.new_zeros(b * max_q, hq, d).index_copy_(0, self.q_rows, q)
+        q_pad = q if self.unpadded else q.new_zeros(b * max_q, hq, d).index_copy_(0, self.q_rows, q)
         q_pad = q_pad.view(b, max_q, hq, d).transpose(1, 2)      # [B, Hq, max_q, D]
         flat = self.kv_index.view(-1)  # index_select: far faster than advanced indexing on CPU
         keys = k_pool.index_select(0, flat).view(b, max_kv, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, max_kv, D]
@@ -101,7 +107,7 @@ class TorchBackend:
         out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=self.mask.to(q.dtype), enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * max_q, hq, d)        # [B * max_q, Hq, D]
-        return out.index_select(0, self.q_rows)                    # [T, Hq, D]
+        return out if self.unpadded else out.index_select(0, self.q_rows)  # [T, Hq, D]
 
 
 BACKENDS = {"torch": TorchBackend}

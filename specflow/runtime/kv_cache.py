@@ -79,6 +79,15 @@ class PagedKVCache:
         table = torch.tensor(self.block_tables[request_id], dtype=torch.long)
         return table[idx // self.page_size] * self.page_size + idx % self.page_size
 
+    def batch_slots(self, request_ids: list[int], kv_lens: list[int]) -> Tensor:
+        """[B, max(kv_lens)] slot ids of logical indices 0..kv_len-1 per request (0 past the end)."""
+        tables = [self.block_tables[r] for r in request_ids]
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, pages]
+        idx = torch.arange(max(kv_lens))
+        slots = table[:, idx // self.page_size] * self.page_size + idx % self.page_size      # [B, max_kv]
+        return slots.masked_fill(idx[None] >= torch.tensor(kv_lens)[:, None], 0)
+
     def commit(self, request_id: int, base: int, keep: list[int]) -> None:
         """Keep the tokens at logical indices ``base + keep[j]`` as ``base + j``; drop the rest.
 

@@ -66,16 +66,8 @@ class ModelRunner:
         self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
         if positions is None:
             positions = [torch.arange(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
-        kv_slots = [self.cache.slots(r, 0, p + q) for r, p, q in zip(request_ids, prefix_lens, qo_lens)]
-        batch = ForwardBatch(
-            request_ids=list(request_ids),
-            positions=torch.cat(positions).long(),
-            prefix_lens=prefix_lens,
-            qo_lens=qo_lens,
-            tree_masks=tree_masks or [None] * len(request_ids),
-            slot_mapping=torch.cat([s[p:] for s, p in zip(kv_slots, prefix_lens)]),
-            kv_slots=kv_slots,
-        )
+        batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, torch.cat(positions).long(),
+                                   tree_masks)
         self.attn.plan(batch)
         input_ids = torch.cat(tokens).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}

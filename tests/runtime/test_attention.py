@@ -23,9 +23,7 @@ def reference_attention(q, k, v, mask):
 def extend(cache, backend, rids, lens, positions, masks, g):
     prefix = [cache.kv_lens.get(r, 0) for r in rids]
     cache.reserve(rids, [p + n for p, n in zip(prefix, lens)])
-    kv_slots = [cache.slots(r, 0, p + n) for r, p, n in zip(rids, prefix, lens)]
-    batch = ForwardBatch(rids, torch.cat(positions), prefix, lens, masks,
-                         torch.cat([s[p:] for s, p in zip(kv_slots, prefix)]), kv_slots)
+    batch = ForwardBatch.build(cache, rids, prefix, lens, torch.cat(positions), masks)
     backend.plan(batch)
     t = sum(lens)
     q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
