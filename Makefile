@@ -17,7 +17,6 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 
 # the main job: a speculative-decoding experiment against the same-run baseline
 demo: setup
-	test -f .cache/tiny-random/config.json || $(VENV)/bin/specflow make-model .cache/tiny-random
 	$(VENV)/bin/specflow run configs/quickstart.yaml
 
 test: setup
@@ -30,8 +29,7 @@ test-gpu: setup
 	$(VENV)/bin/pytest -m gpu -q
 
 bench: setup
-	test -f .cache/tiny-random/config.json || $(VENV)/bin/specflow make-model .cache/tiny-random
-	$(VENV)/bin/specflow bench .cache/tiny-random --batch-sizes 1 8
+	$(VENV)/bin/specflow bench zoo/tiny-code/target --batch-sizes 1 8 --out bench/results/cpu_decode.json
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -38,7 +38,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from specflow.bench.decode import run_decode_bench
 
     run_decode_bench(args.target, batch_sizes=args.batch_sizes, max_tokens=args.max_tokens,
-                     prompt_len=args.prompt_len, repeats=args.repeats)
+                     prompt_len=args.prompt_len, repeats=args.repeats, threads=args.threads, out=args.out)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", default=None, help="also write the numbers as JSON here")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")

@@ -276,11 +276,14 @@ class SpecEngine:
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
         """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter."""
         finished, live = [], []
+        # one device->host copy of the small tensors, then plain Python per request
+        paths, lengths = verdict.accepted.tolist(), verdict.accept_len.tolist()
+        bonus, tokens = verdict.bonus_tokens.tolist(), tree.tokens.tolist()
         for b, req in enumerate(batch):
-            accepted = verdict.accepted_nodes(b)
+            accepted = paths[b][: lengths[b] + 1]
             base = req.seq_len - 1
             self.runner.commit(req.id, base, accepted)
-            new = tree.tokens[b, accepted[1:]].tolist() + [int(verdict.bonus_tokens[b])]
+            new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new, self._decode_fn)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]

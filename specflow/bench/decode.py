@@ -12,22 +12,29 @@ from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
 
 
-def _timed(fn, repeats: int) -> float:
-    """Best-of-``repeats`` seconds of ``fn()`` after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _best_times(fns: list, repeats: int) -> list[float]:
+    """Best-of-``repeats`` seconds of each function, alternating them after one warm-up each,
+    so a noisy machine slows both alike."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - t0)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
 def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: int = 64,
-                     prompt_len: int = 32, repeats: int = 3, out: str | None = None) -> list[dict]:
-    """Greedy decoding of ``max_tokens`` tokens per request (EOS ignored) at each batch size."""
+                     prompt_len: int = 32, repeats: int = 3, threads: int | None = None,
+                     out: str | None = None) -> list[dict]:
+    """Greedy decoding of ``max_tokens`` tokens per request (EOS ignored) at each batch size,
+    best of ``repeats`` runs each, specflow and transformers alternating in one process."""
     from transformers import AutoModelForCausalLM
 
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     engine = SpecEngine(target, device="cpu", dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -37,14 +44,13 @@ def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: i
     for bs in batch_sizes:
         prompts = torch.randint(1, vocab, (bs, prompt_len))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        ours = _timed(lambda: engine.generate(prompts.tolist(), params), repeats)
 
         def hf_generate():
             with torch.inference_mode():
                 hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
 
-        theirs = _timed(hf_generate, repeats)
+        ours, theirs = _best_times([lambda: engine.generate(prompts.tolist(), params), hf_generate], repeats)
         row = {"batch_size": bs, "specflow_tok_s": bs * max_tokens / ours,
                "transformers_tok_s": bs * max_tokens / theirs, "ratio": theirs / ours}
         rows.append(row)
