@@ -64,7 +64,8 @@ def train(run: TrainConfig) -> TrainResult:
         recipe.export(run, {k: v.detach().cpu() for k, v in state.items()}, out)
         dump_yaml(dataclasses.asdict(run), log_dir / "train_config.yaml")
         (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_losses(log_dir / "metrics.csv", log_dir / "loss.png", run.name)
+        if (log_dir / "metrics.csv").exists():   # absent when nothing was logged (very short runs)
+            plot_losses(log_dir / "metrics.csv", log_dir / "loss.png", run.name)
     return TrainResult(summary, job.module)
 
 

@@ -1,0 +1,47 @@
+"""``specflow train`` configs: every shipped one validates; mistakes fail naming the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from specflow.cli import main
+from specflow.config import ConfigError, validate
+from specflow.train import RECIPES, TrainConfig, load_train_config, train
+
+CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/train/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_train_configs_validate(path):
+    cfg = load_train_config(path)
+    assert cfg.recipe["type"] in RECIPES
+
+
+def test_all_recipes_are_registered():
+    assert RECIPES.names() == ["distill", "eagle", "eagle3", "lm", "medusa"]
+
+
+@pytest.mark.parametrize("override, named", [
+    ("trainr.max_steps=3", "valid keys: name, output_dir, target"),
+    ("trainer.max_step=3", "valid keys: accelerator, devices, strategy"),
+    ("optim.learning_rate=1", "valid keys: lr, min_lr_ratio"),
+    ("recipe.unrol=3", "valid keys: draft_vocab_size, taps, unroll"),
+    ("recipe.type=eagle4", "known: distill, eagle, eagle3, lm, medusa"),
+])
+def test_misspelt_keys_name_the_valid_ones(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_train_config(CONFIGS[0].parent / "eagle3.yaml", [override])
+
+
+@pytest.mark.parametrize("recipe", ["distill", "eagle", "eagle3", "medusa"])
+def test_recipes_that_read_a_target_say_so(recipe, tmp_path):
+    cfg = validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": recipe}}, "train")
+    with pytest.raises(ConfigError, match=f"recipe '{recipe}' needs 'target'"):
+        train(cfg)
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output_dir: x\nrecipe: {type: medusa, heads: 3}\n")
+    assert main(["train", str(bad)]) == 2
+    assert "unknown key 'heads'; valid keys: num_heads" in capsys.readouterr().err
