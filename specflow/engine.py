@@ -16,7 +16,7 @@ from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner
-from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs, token_logprobs
+from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -265,7 +265,7 @@ class SpecEngine:
         sampling = self._sampling(batch)
         if tree.num_nodes > 1:
             return self.verifier.verify(tree, self._tree_logits(tree, out), sampling)
-        bonus = torch.tensor(sample_rows(target_probs(out.logits[:, None], sampling)[:, 0], sampling))
+        bonus = torch.tensor(next_tokens(out.logits, sampling))
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
@@ -340,7 +340,7 @@ class SpecEngine:
             self.scheduler.requeue(reqs)
             return []
         sampling = self._sampling(reqs)
-        first = sample_rows(target_probs(out.logits[:, None], sampling)[:, 0], sampling)
+        first = next_tokens(out.logits, sampling)
         finished, live = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:

@@ -46,6 +46,7 @@ class Request:
         self.params = params
         self.generator: torch.Generator = make_generator(params.seed)
         self.output_ids: list[int] = []
+        self.seq: list[int] = list(prompt_ids)  # prompt + generated ids, kept in step with output_ids
         self.accept_lengths: list[int] = []
         self.steps: list[StepRecord] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
@@ -56,12 +57,8 @@ class Request:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
     @property
-    def seq(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.seq)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +73,7 @@ class Request:
         kept = 0
         for tok in tokens:
             self.output_ids.append(tok)
+            self.seq.append(tok)
             kept += 1
             if tok in self.stop_ids:
                 self.finish_reason = "stop"

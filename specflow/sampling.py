@@ -137,10 +137,13 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
-def sample_rows(probs: Tensor, sampling: SamplingBatch) -> list[int]:
-    """One token per row of [B, V] processed probs: the argmax for greedy rows (their probs are
-    one-hot), else a draw with the row's generator."""
-    greedy, argmax = sampling.greedy.tolist(), probs.argmax(-1).tolist()
+def next_tokens(logits: Tensor, sampling: SamplingBatch) -> list[int]:
+    """One token per row of [B, V] target logits: the argmax for greedy rows, else a draw from
+    the processed distribution with the row's generator."""
+    greedy, argmax = sampling.greedy.tolist(), logits.argmax(-1).tolist()
+    if all(greedy):
+        return argmax
+    probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V]
     return [argmax[b] if greedy[b] else sample(probs[b], sampling.generators[b]) for b in range(len(greedy))]
 
 
