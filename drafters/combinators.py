@@ -30,13 +30,15 @@ class FallbackConfig:
 
 
 class DrafterGroup:
-    """The children of a combinator: their joint needs and the lifecycle calls fanned out to all.
+    """What every combinator shares: its children, their joint needs, and the lifecycle calls
+    fanned out to all (a combinator only adds ``expand``).
 
     ``needs`` asks the target for the union of the children's features; each child then gets
     only the layer taps it declared, in its own order.
     """
 
-    def __init__(self, drafters: list[Drafter], kind: str):
+    def __init__(self, drafters: list[Drafter]):
+        kind = getattr(type(self), "type_name", "combinator")
         if not drafters:
             raise ValueError(f"{kind} drafter needs at least one drafter in `drafters`, "
                              f"e.g. drafters: [{{type: ngram}}, {{type: ngram, scope: global}}]")
@@ -45,10 +47,10 @@ class DrafterGroup:
         self.needs = TargetNeeds(last_hidden=any(d.needs.last_hidden for d in drafters),
                                  layer_taps=tuple(taps))
 
-    @staticmethod
-    def build(cfg: UnionConfig | FallbackConfig, **ctx: Any) -> list[Drafter]:
-        return [build_component(DRAFTERS, node, where=f"drafter.drafters[{i}]", **ctx)
-                for i, node in enumerate(cfg.drafters)]
+    @classmethod
+    def from_config(cls, cfg: UnionConfig | FallbackConfig, **ctx: Any) -> "DrafterGroup":
+        return cls([build_component(DRAFTERS, node, where=f"drafter.drafters[{i}]", **ctx)
+                    for i, node in enumerate(cfg.drafters)])
 
     def begin(self, features: TargetFeatures) -> None:
         for d in self.drafters:
@@ -62,7 +64,7 @@ class DrafterGroup:
         for d in self.drafters:
             d.release(request_ids)
 
-    def expand(self, frontier: Frontier) -> list[Expansion]:
+    def expand_all(self, frontier: Frontier) -> list[Expansion]:
         expansions = [d.expand(frontier) for d in self.drafters]
         for d, e in zip(self.drafters, expansions):
             assert e.tokens.shape == (*frontier.nodes.shape, frontier.k), f"{type(d).__name__}: bad shape"
@@ -82,31 +84,14 @@ class DrafterGroup:
 
 
 @DRAFTERS.register("union", config=UnionConfig)
-class UnionDrafter:
+class UnionDrafter(DrafterGroup):
     """Children proposed by any drafter: deduplicated by token, each with its best log-prob
     over the drafters, sorted descending and cut to k. With ``want_probs``, q is the average of
     the children's distributions over the drafters that proposed something for that node.
     """
 
-    def __init__(self, drafters: list[Drafter]):
-        self.group = DrafterGroup(drafters, "union")
-        self.needs = self.group.needs
-
-    @classmethod
-    def from_config(cls, cfg: UnionConfig, **ctx: Any) -> "UnionDrafter":
-        return cls(DrafterGroup.build(cfg, **ctx))
-
-    def begin(self, features: TargetFeatures) -> None:
-        self.group.begin(features)
-
-    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        self.group.commit(verdict, features)
-
-    def release(self, request_ids: list[int]) -> None:
-        self.group.release(request_ids)
-
     def expand(self, frontier: Frontier) -> Expansion:
-        expansions = self.group.expand(frontier)
+        expansions = self.expand_all(frontier)
         tokens = torch.cat([e.tokens for e in expansions], -1)       # [B, F, D*k]
         logprobs = torch.cat([e.logprobs for e in expansions], -1)   # [B, F, D*k]
         logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)
@@ -128,29 +113,12 @@ class UnionDrafter:
 
 
 @DRAFTERS.register("fallback", config=FallbackConfig)
-class FallbackDrafter:
+class FallbackDrafter(DrafterGroup):
     """Per request and frontier node, the whole answer of the first drafter that proposes any child
     (e.g. n-gram lookup first, a draft model where the lookup finds nothing)."""
 
-    def __init__(self, drafters: list[Drafter]):
-        self.group = DrafterGroup(drafters, "fallback")
-        self.needs = self.group.needs
-
-    @classmethod
-    def from_config(cls, cfg: FallbackConfig, **ctx: Any) -> "FallbackDrafter":
-        return cls(DrafterGroup.build(cfg, **ctx))
-
-    def begin(self, features: TargetFeatures) -> None:
-        self.group.begin(features)
-
-    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        self.group.commit(verdict, features)
-
-    def release(self, request_ids: list[int]) -> None:
-        self.group.release(request_ids)
-
     def expand(self, frontier: Frontier) -> Expansion:
-        expansions = self.group.expand(frontier)
+        expansions = self.expand_all(frontier)
         has_child = torch.stack([(e.logprobs > -math.inf).any(-1) for e in expansions])  # [D, B, F]
         choice = has_child.int().argmax(0)  # [B, F] first drafter with a child (0 when none has)
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from specflow.bench.experiment import load_experiment
-from specflow.config import ConfigError, build_component, component_config, load_yaml
+from specflow.bench.experiment import PipelineConfig, load_experiment
+from specflow.config import ConfigError, build_component, component_config, load_yaml, validate
+from specflow.pipeline import EngineConfig
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS, Registry, RegistryError
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
@@ -75,14 +76,25 @@ def test_redefined_class_replaces_its_registration():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
-    cfg = load_yaml(path)
-    if "pipelines" in cfg:
+    """Every experiment / serve YAML validates, builds its trees and verifiers, and names
+    checkpoints that exist in the repository."""
+    root = path.parents[1]
+    raw = load_yaml(path)
+    engine = validate(EngineConfig, raw.engine, "engine")
+    if "pipelines" in raw:
         _, pipelines = load_experiment(path)
-        for p in pipelines:
-            if p.drafter is not None:
-                component_config(DRAFTERS, p.drafter, f"{p.name}.drafter")
-                build_component(TREE_BUILDERS, p.tree, f"{p.name}.tree")
-            build_component(VERIFIERS, p.verifier, f"{p.name}.verifier")
+    else:
+        pipelines = [PipelineConfig(name=raw.name, drafter=engine.drafter, tree=engine.tree, verifier=engine.verifier)]
+    assert pipelines
+    if not engine.target.startswith(".."):  # data outside the repo (../shared) is the user's to give
+        assert (root / engine.target / "config.json").exists(), engine.target
+    for p in pipelines:
+        assert build_component(VERIFIERS, p.verifier, f"{p.name}.verifier").type_name == p.verifier["type"]
+        if p.drafter is not None:
+            _, drafter_cfg = component_config(DRAFTERS, p.drafter, f"{p.name}.drafter")
+            if getattr(drafter_cfg, "path", None):
+                assert (root / drafter_cfg.path / "config.json").exists(), drafter_cfg.path
+            assert build_component(TREE_BUILDERS, p.tree, f"{p.name}.tree").num_draft_tokens >= 1
 
 
 def test_experiment_typo_and_override(tmp_path):

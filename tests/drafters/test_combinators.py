@@ -60,7 +60,7 @@ def test_union_merges_by_token_with_the_best_logprob(contexts, path, k):
     merged = union.expand(frontier)
     # untruncated answers as the reference: the shared trie's tie order moves as lookups touch it
     children = [d.expand(chain_frontier(contexts, [path] * len(contexts), k=V, want_probs=True))
-                for d in union.group.drafters]
+                for d in union.drafters]
     for b in range(len(contexts)):
         for f in range(len(path) + 1):
             best: dict[int, float] = {}
@@ -86,7 +86,7 @@ def test_fallback_takes_the_first_drafter_with_a_child(contexts, path, k):
     frontier = chain_frontier(contexts, [path] * len(contexts), k=k, want_probs=True)
     picked = fallback.expand(frontier)
     children = [d.expand(chain_frontier(contexts, [path] * len(contexts), k=V, want_probs=True))
-                for d in fallback.group.drafters]
+                for d in fallback.drafters]
     for b in range(len(contexts)):
         for f in range(len(path) + 1):
             first = next((e for e in children if proposals(e, b, f)), children[0])
@@ -174,5 +174,5 @@ def test_config_errors(kind):
         build_component(DRAFTERS, {"type": kind, "drafters": ["ngarm"]})
     built = build_component(DRAFTERS, {"type": kind, "drafters": ["ngram", {"type": "ngram", "scope": "global"}]},
                             vocab_size=V)
-    assert [d.scope for d in built.group.drafters] == ["request", "global"]
-    assert all(d.vocab_size == V for d in built.group.drafters)
+    assert [d.scope for d in built.drafters] == ["request", "global"]
+    assert all(d.vocab_size == V for d in built.drafters)
