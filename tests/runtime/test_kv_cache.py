@@ -16,6 +16,8 @@ def check_invariants(cache: PagedKVCache) -> None:
     assert len(owned) + len(free) == cache.allocator.num_pages
     for r, table in cache.block_tables.items():
         assert len(table) * cache.page_size >= cache.kv_lens[r]
+        if cache.kv_lens[r]:  # the incrementally kept slot rows agree with the block table
+            assert torch.equal(cache.batch_slots([r], [cache.kv_lens[r]])[0], cache.slots(r, 0, cache.kv_lens[r]))
 
 
 ops = st.lists(st.tuples(st.sampled_from(["reserve", "commit", "release"]),
