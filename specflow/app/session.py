@@ -27,8 +27,7 @@ from specflow.tree import StepRecord
 
 log = logging.getLogger(__name__)
 
-ZOO_TARGET = Path("zoo/tiny-code/target")     # the shipped target, once built
-RANDOM_TARGET = Path(".cache/tiny-random")    # the random-weight stand-in `make demo` also writes
+ZOO_TARGET = Path("zoo/tiny-code/target")     # the shipped target: the default without a CONFIG
 CONFIG_DIR = Path("configs")
 MAIN_TREE_PARAMS = ("depth", "topk", "num_draft_tokens")
 NO_DRAFTER = "none"
@@ -38,19 +37,6 @@ USER_ERRORS = (ConfigError, CheckpointError, RegistryError, ValueError, OSError)
 PLAIN = PipelineConfig("plain decoding", None, {"type": "chain"}, {"type": "rejection"})
 
 
-def default_target() -> tuple[str, bool]:
-    """``(path, random_weights)``: zoo/tiny-code/target when built, else a random-weight checkpoint
-    in .cache/ (written on first use)."""
-    if (ZOO_TARGET / "config.json").exists():
-        return str(ZOO_TARGET), False
-    if not (RANDOM_TARGET / "config.json").exists():
-        from specflow.models.random import make_random_checkpoint
-
-        log.warning("zoo/tiny-code/target is not built; writing a random-weight target to %s", RANDOM_TARGET)
-        make_random_checkpoint(RANDOM_TARGET)
-    return str(RANDOM_TARGET), True
-
-
 @dataclass
 class Catalog:
     """The app's target, default sampling, and the pipelines its picker offers (label -> pipeline)."""
@@ -58,7 +44,6 @@ class Catalog:
     engine: EngineConfig
     sampling: SamplingConfig
     pipelines: dict[str, PipelineConfig]
-    random_weights: bool = False
     notes: list[str] = field(default_factory=list)   # experiment YAMLs that could not be read, and why
 
 
@@ -70,11 +55,10 @@ def load_catalog(config: str | Path | None = None, config_dir: Path = CONFIG_DIR
     notes = []
     if config is not None:
         cfg, own = load_experiment(config)
-        engine, sampling, random_weights = cfg.engine, cfg.sampling, False
+        engine, sampling = cfg.engine, cfg.sampling
         pipelines.update({f"{cfg.name} / {p.name}": p for p in own})
     else:
-        target, random_weights = default_target()
-        engine, sampling = EngineConfig(target=target, kv_cache_tokens=8192), SamplingConfig()
+        engine, sampling = EngineConfig(target=str(ZOO_TARGET), kv_cache_tokens=8192), SamplingConfig()
     for path in sorted(config_dir.glob("*.yaml")) if config_dir.is_dir() else []:
         if config is not None and path.resolve() == Path(config).resolve():
             continue
@@ -88,7 +72,7 @@ def load_catalog(config: str | Path | None = None, config_dir: Path = CONFIG_DIR
         pipelines.update({f"{cfg.name} / {p.name}": p for p in own})
     pipelines[PLAIN.name] = PLAIN
     engine = dataclasses.replace(engine, record_steps=True)
-    return Catalog(engine, sampling, pipelines, random_weights, notes)
+    return Catalog(engine, sampling, pipelines, notes)
 
 
 def _params_text(params: dict) -> str:

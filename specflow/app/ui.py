@@ -159,10 +159,6 @@ def header_markdown(catalog: Catalog, pool: EnginePool) -> str:
              f"Target `{catalog.engine.target}` on {pool.device}/{dtype}. Each speculative step's draft tree: token and "
              "draft probability q per node, the accepted path in green, rejected nodes faded, the bonus "
              "token (sampled from the target) dashed."]
-    if catalog.random_weights:
-        lines.append("<span class='sf-warning'>⚠ <b>random weights</b>: zoo/tiny-code is not built here, so the "
-                     "target is an untrained stand-in; the trees show the mechanics, not a trained model's "
-                     "acceptance.</span>")
     lines += [f"<span class='sf-warning'>skipped {escape(note)}</span>" for note in catalog.notes]
     return "\n\n".join(lines)
 

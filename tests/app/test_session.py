@@ -47,7 +47,7 @@ def test_catalog_lists_experiment_pipelines_and_notes_broken_configs(tmp_path, t
     assert labels[:2] == ["exp / ngram-chain", "exp / ngram-bfs"]
     assert labels[-1] == "plain decoding" and len(labels) == 3
     assert catalog.engine.target == str(tiny_target) and catalog.engine.record_steps
-    assert not catalog.random_weights and catalog.sampling.max_tokens == 12
+    assert catalog.sampling.max_tokens == 12
     (note,) = catalog.notes
     assert "broken.yaml" in note and "pipelines[ngram-chain].drafter" in note and "unknown key 'windw'" in note
 
