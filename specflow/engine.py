@@ -56,7 +56,8 @@ class SpecEngine:
                  verifier: Any = None, *, tokenizer: Any = None,
                  device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "torch",
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
-                 spec_max_batch_size: int | None = None, record_steps: bool = False):
+                 spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
+                 record_steps: bool = False):
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
             self.model, self.tokenizer = target, tokenizer
             param = next(target.parameters())
@@ -76,6 +77,8 @@ class SpecEngine:
         self.tree_builder = self.pipeline.tree
         self.verifier = self.pipeline.verifier
         num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
+        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+            self.runner.enable_graphs(max_batch_size, (1, num_draft_tokens))
         self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
         self.spec_max_batch_size = spec_max_batch_size
         self.record_steps = record_steps
@@ -90,7 +93,7 @@ class SpecEngine:
         return cls(cfg.target, cfg.drafter, cfg.tree, cfg.verifier, device=cfg.device, dtype=cfg.dtype,
                    backend=cfg.backend, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
                    max_batch_size=cfg.max_batch_size, spec_max_batch_size=cfg.spec_max_batch_size,
-                   record_steps=cfg.record_steps)
+                   cuda_graphs=cfg.cuda_graphs, record_steps=cfg.record_steps)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":
@@ -242,14 +245,18 @@ class SpecEngine:
             rows, self.tree_builder.build(self.drafter, roots.select(rows)))
 
     def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
-        """One batched target pass over every tree (only up to each request's last valid node)."""
-        n_send = (tree.valid.long() * torch.arange(1, tree.num_nodes + 1)).amax(1).tolist()
+        """One batched target pass over every tree: up to each request's last valid node, or every
+        node when CUDA graphs want one fixed shape (padding nodes' outputs are never read)."""
+        if self.runner.graphs is not None:
+            n_send = [tree.num_nodes] * tree.batch_size
+        else:
+            n_send = (tree.valid.long() * torch.arange(1, tree.num_nodes + 1)).amax(1).tolist()
         needs = self.drafter.needs if self.drafter else None
         return self.runner.extend(
             [r.id for r in batch],
-            [tree.tokens[b, :n] for b, n in enumerate(n_send)],
-            positions=[tree.positions[b, :n] for b, n in enumerate(n_send)],
-            tree_masks=[tree.mask[b, :n, :n] for b, n in enumerate(n_send)],
+            [t[:n] for t, n in zip(tree.tokens.unbind(0), n_send)],
+            positions=[p[:n] for p, n in zip(tree.positions.unbind(0), n_send)],
+            tree_masks=[m[:n, :n] if n > 1 else None for m, n in zip(tree.mask.unbind(0), n_send)],  # 1 node: causal
             taps=needs.layer_taps if needs else ())
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:

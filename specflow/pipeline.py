@@ -17,7 +17,8 @@ class EngineConfig:
     """Everything ``SpecEngine`` needs; the top level of an engine YAML.
 
     ``drafter: null`` is plain autoregressive decoding. ``spec_max_batch_size`` turns
-    speculation off for steps whose batch is larger (None: never).
+    speculation off for steps whose batch is larger (None: never). ``cuda_graphs`` replays
+    decode and verification steps from CUDA graphs (None: on when the device is CUDA).
     """
 
     target: str = "???"
@@ -31,6 +32,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     max_batch_size: int = 32
     spec_max_batch_size: int | None = None
+    cuda_graphs: bool | None = None
     record_steps: bool = False
 
 

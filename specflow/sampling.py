@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,11 +77,13 @@ class SamplingBatch:
 
     @staticmethod
     def from_params(params: list[SamplingParams], generators: list[torch.Generator]) -> "SamplingBatch":
+        floats = torch.from_numpy(np.array([(p.temperature, p.top_p, p.min_p) for p in params],
+                                           dtype=np.float32).reshape(-1, 3))              # [B, 3]
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            temperature=floats[:, 0],
+            top_k=torch.from_numpy(np.array([p.top_k for p in params], dtype=np.int64)),
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
             generators=generators,
         )
 

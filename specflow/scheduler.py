@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from specflow.request import Request, Status
+from specflow.runtime.cuda_graph import PAD_REQUEST
 from specflow.runtime.kv_cache import PagedKVCache
 
 
@@ -66,5 +67,7 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def fits_alone(self, req: Request) -> bool:
-        """Whether the whole pool could ever hold this request's next step."""
-        return self.cache.pages_needed(req.seq_len + self.num_draft_tokens) <= self.cache.allocator.num_pages
+        """Whether the whole pool (but the CUDA graphs' padding pages) could ever hold this
+        request's next step."""
+        usable = self.cache.allocator.num_pages - len(self.cache.block_tables.get(PAD_REQUEST, ()))
+        return self.cache.pages_needed(req.seq_len + self.num_draft_tokens) <= usable

@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # x * rsqrt(mean(x^2) + eps), one kernel
+        if x.dtype == torch.float32:  # no casts: one kernel, weight included
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
         return self.weight * normed.to(x.dtype)
 
 

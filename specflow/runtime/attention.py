@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,18 +35,27 @@ class ForwardBatch:
 
     @staticmethod
     def build(cache: PagedKVCache, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int],
-              positions: Tensor, tree_masks: list[Tensor | None] | None = None) -> "ForwardBatch":
-        """Lay out a forward whose pages are already reserved (vectorised over the batch)."""
+              positions: Tensor, tree_masks: list[Tensor | None] | None = None,
+              kv_width: int | None = None) -> "ForwardBatch":
+        """Lay out a forward whose pages are already reserved (index arithmetic in numpy, which
+        is several times cheaper than torch for these small arrays). ``kv_width`` pads the KV
+        index to a fixed width (CUDA graphs); the extra columns are masked out."""
         kv_index = cache.batch_slots(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
-        b, max_q = len(request_ids), max(qo_lens)
-        i = torch.arange(max_q)
-        new = i[None] < torch.tensor(qo_lens)[:, None]                                  # [B, max_q]
-        at = (torch.tensor(prefix_lens)[:, None] + i[None]).clamp(max=kv_index.shape[1] - 1)
+        if kv_width is not None:
+            kv_index = F.pad(kv_index, (0, kv_width - kv_index.shape[1]))
+        rows = kv_index.numpy()
+        slot_mapping = np.concatenate([row[p : p + q] for row, p, q in zip(rows, prefix_lens, qo_lens)])
         return ForwardBatch(list(request_ids), positions, list(prefix_lens), list(qo_lens),
-                            tree_masks or [None] * b, kv_index.gather(1, at)[new], kv_index)
+                            tree_masks or [None] * len(request_ids), torch.from_numpy(slot_mapping), kv_index)
 
 
 class AttentionBackend(Protocol):
+    """``plan`` once per forward (host-side work), then ``forward`` per layer. ``plan`` leaves
+    the tensors ``forward`` reads in the attributes named by ``graph_inputs``, so a CUDA graph
+    can copy them into its static buffers and replay (specflow.runtime.cuda_graph)."""
+
+    graph_inputs: tuple[str, ...]
+
     def plan(self, batch: ForwardBatch) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
@@ -53,6 +63,8 @@ class AttentionBackend(Protocol):
 class TorchBackend:
     """Portable reference backend (CPU and CUDA, any mask): pad the batch to ``[B, max_q]``
     queries over ``[B, max_kv]`` gathered keys and call scaled_dot_product_attention."""
+
+    graph_inputs = ("kv_index", "mask", "slot_mapping")  # planned tensors a CUDA graph replays from
 
     def __init__(self, cache: PagedKVCache, sliding_window: int | None = None):
         self.cache = cache
@@ -62,33 +74,32 @@ class TorchBackend:
         device = self.cache.k.device
         b, max_kv = batch.kv_index.shape
         max_q = max(batch.qo_lens)
-        p = torch.tensor(batch.prefix_lens)[:, None, None]                             # [B, 1, 1]
-        q = torch.tensor(batch.qo_lens)[:, None, None]                                 # [B, 1, 1]
-        i = torch.arange(max_q)[None, :, None]                                         # query index
-        j = torch.arange(max_kv)[None, None, :]                                        # key index
+        p = np.array(batch.prefix_lens)[:, None, None]                                 # [B, 1, 1]
+        q = np.array(batch.qo_lens)[:, None, None]                                     # [B, 1, 1]
+        i = np.arange(max_q)[None, :, None]                                            # query index
+        j = np.arange(max_kv)[None, None, :]                                           # key index
         mask = (j <= p + i) & (j < p + q)  # causal over the new tokens, the whole prefix visible
         for r, own in enumerate(batch.tree_masks):
             if own is not None:  # the last m visible tokens follow the tree mask
                 n, m = batch.qo_lens[r], own.shape[1]
                 start = batch.prefix_lens[r] + n - m
-                mask[r, :n, start : start + m] = own
+                mask[r, :n, start : start + m] = own.cpu().numpy()
         new = (i < q)[..., 0]                                                          # [B, max_q]
         if self.sliding_window is not None:
-            query_pos = torch.zeros(b, max_q, dtype=torch.long)
-            query_pos[new] = batch.positions.cpu()
+            query_pos = np.zeros((b, max_q), dtype=np.int64)
+            query_pos[new] = batch.positions.cpu().numpy()
             # committed tokens sit at their index; new tokens at their (tree) positions
-            key_pos = torch.arange(max_kv).repeat(b, 1)
-            at = (p[:, :, 0] + torch.arange(max_q)[None]).clamp(max=max_kv - 1)
-            key_pos.scatter_(1, at, torch.where(new, query_pos, key_pos.gather(1, at)))
+            key_pos = np.repeat(np.arange(max_kv)[None], b, 0)                          # [B, max_kv]
+            at = np.minimum(p[:, :, 0] + np.arange(max_q)[None], max_kv - 1)           # [B, max_q]
+            np.put_along_axis(key_pos, at, np.where(new, query_pos, np.take_along_axis(key_pos, at, 1)), 1)
             mask &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window
         mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
         self.kv_index = batch.kv_index.to(device)                                      # [B, max_kv]
         # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
-        bias = torch.zeros(mask.shape, dtype=self.cache.k.dtype).masked_fill_(~mask, float("-inf"))
-        self.mask = bias[:, None].to(device)                                           # [B, 1, max_q, max_kv]
-        rows = torch.arange(b * max_q).view(b, max_q)
-        self.q_rows = rows[new].to(device)                                             # [T] padded row of each token
+        bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf")))
+        self.mask = bias[:, None].to(device, self.cache.k.dtype)                       # [B, 1, max_q, max_kv]
+        self.q_rows = torch.from_numpy(np.flatnonzero(new)).to(device)                 # [T] padded row of each token
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
         self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.attention import BACKENDS, ForwardBatch
+from specflow.runtime.cuda_graph import GraphRunner
 from specflow.runtime.kv_cache import PagedKVCache
 
 
@@ -44,6 +45,12 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   num_pages, page_size, dtype=param.dtype, device=param.device)
         self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window)
+        self.graphs: GraphRunner | None = None
+
+    def enable_graphs(self, max_batch_size: int, tokens_per_request: tuple[int, ...]) -> None:
+        """Run fixed-shape forwards (every request sending one of ``tokens_per_request`` tokens)
+        through padded CUDA graphs; on a CPU the same padded static path runs eagerly."""
+        self.graphs = GraphRunner(self, max_batch_size, tokens_per_request, capture=self.device.type == "cuda")
 
     def kv_len(self, request_id: int) -> int:
         return self.cache.kv_lens.get(request_id, 0)
@@ -68,11 +75,14 @@ class ModelRunner:
             positions = [torch.arange(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
         batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, torch.cat(positions).long(),
                                    tree_masks)
-        self.attn.plan(batch)
         input_ids = torch.cat(tokens).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
-        hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)
+        if self.graphs is not None and not extra and self.graphs.fits(qo_lens):
+            hidden, tapped = self.graphs.forward(batch, input_ids, taps)
+        else:
+            self.attn.plan(batch)
+            hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)
         for r, p, q in zip(request_ids, prefix_lens, qo_lens):
             self.cache.kv_lens[r] = p + q
         offsets = [0]

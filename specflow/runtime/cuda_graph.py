@@ -1,0 +1,127 @@
+"""CUDA graphs for fixed-shape forwards: decode (1 token per request) and tree verification
+(N nodes per request), padded to captured batch sizes.
+
+A graph is keyed by ``(batch size, tokens per request, KV width, taps)``. Each call pads the
+batch with dummy requests up to the captured batch size and the KV width up to a bucket, plans
+the attention for the padded batch, copies every planned tensor and input into the graph's
+static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
+own scratch page, a causal mask over their own tokens), so nothing a padded row computes reaches
+a real request: they read and write only the reserved padding page, and real rows never see it.
+
+``capture=False`` runs the very same padded, static-buffer forward eagerly; that is how the CPU
+tests check the padding logic that the GPU then captures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specflow.runtime.attention import ForwardBatch
+
+PAD_REQUEST = -1  # cache entry owning the padding page(s) of every graph
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch_size`` (nano-vllm's ladder)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
+    return sizes + [max_batch_size]
+
+
+def kv_bucket(kv_len: int, smallest: int = 128) -> int:
+    """The KV width a graph is captured for: the next power of two >= kv_len (at least ``smallest``)."""
+    width = smallest
+    while width < kv_len:
+        width *= 2
+    return width
+
+
+@dataclass
+class _Graph:
+    input_ids: Tensor        # [Bc * N]
+    positions: Tensor        # [Bc * N]
+    planned: dict[str, Tensor]  # the attention's planned tensors, static copies
+    hidden: Tensor | None = None
+    taps: list[Tensor] | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class GraphRunner:
+    """Fixed-shape forwards of a ``ModelRunner``'s model, replayed from CUDA graphs.
+
+    ``fits(qo_lens)`` says whether a forward can run here (every request sends the same number of
+    tokens, one of ``tokens_per_request``, and the batch is at most the largest captured size).
+    Graphs are captured lazily, the first time each shape is met.
+    """
+
+    def __init__(self, runner, max_batch_size: int, tokens_per_request: tuple[int, ...] = (1,),
+                 capture: bool = True):
+        self.runner = runner
+        self.sizes = capture_sizes(max_batch_size)
+        self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
+        self.capture = capture
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # the padding rows' own page(s): their K/V is written there and nowhere else
+        runner.cache.reserve([PAD_REQUEST], [max(self.tokens_per_request)])
+
+    def fits(self, qo_lens: list[int]) -> bool:
+        n = qo_lens[0]
+        return n in self.tokens_per_request and len(qo_lens) <= self.sizes[-1] and all(q == n for q in qo_lens)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, input_ids: Tensor, taps: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
+        """The model's ``(hidden [T, H], taps)`` for ``batch``, through a padded static graph."""
+        b, n = len(batch.request_ids), batch.qo_lens[0]
+        size = next(s for s in self.sizes if s >= b)
+        width = kv_bucket(batch.kv_index.shape[1])
+        pad = size - b
+        padded = ForwardBatch.build(
+            self.runner.cache, batch.request_ids + [PAD_REQUEST] * pad,
+            batch.prefix_lens + [0] * pad, batch.qo_lens + [n] * pad,
+            torch.cat([batch.positions.cpu(), torch.zeros(pad * n, dtype=torch.long)]),
+            batch.tree_masks + [None] * pad, kv_width=width)
+        attn = self.runner.attn
+        attn.plan(padded)
+        key = (size, n, width, taps)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._new_graph(size * n, attn)
+        for name, static in g.planned.items():
+            static.copy_(getattr(attn, name))
+            setattr(attn, name, static)
+        g.input_ids.zero_()[: b * n].copy_(input_ids)
+        g.positions.copy_(padded.positions)
+        if g.hidden is None:
+            self._record(g, taps)
+        elif g.graph is not None:
+            g.graph.replay()
+        else:
+            g.hidden, g.taps = self._run(g, taps)
+        t = b * n
+        return g.hidden[:t].clone(), [x[:t].clone() for x in g.taps]
+
+    def _new_graph(self, num_tokens: int, attn) -> _Graph:
+        device = self.runner.device
+        planned = {name: getattr(attn, name).clone() for name in attn.graph_inputs}
+        return _Graph(torch.zeros(num_tokens, dtype=torch.long, device=device),
+                      torch.zeros(num_tokens, dtype=torch.long, device=device), planned)
+
+    def _run(self, g: _Graph, taps: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
+        return self.runner.model(g.input_ids, g.positions, self.runner.attn, taps)
+
+    def _record(self, g: _Graph, taps: tuple[int, ...]) -> None:
+        if not self.capture:
+            g.hidden, g.taps = self._run(g, taps)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (allocator, lazy kernels) off the capture
+            self._run(g, taps)
+        torch.cuda.current_stream().wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.hidden, g.taps = self._run(g, taps)
+        g.graph.replay()

@@ -1,0 +1,106 @@
+"""Padded fixed-shape forwards (the CUDA-graph path) equal plain forwards, and padding rows never
+touch a real request's K/V. On a CPU the static path runs eagerly; the gpu test captures it."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specflow.engine import SpecEngine
+from specflow.models import load_model
+from specflow.runtime.cuda_graph import PAD_REQUEST, capture_sizes, kv_bucket
+from specflow.runtime.model_runner import ModelRunner
+from specflow.sampling import SamplingParams
+from specflow.tree import ancestor_mask
+
+NODES = 4
+
+
+def test_capture_sizes_and_buckets():
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(1) == [1]
+    assert [kv_bucket(n) for n in (1, 128, 129, 700)] == [128, 128, 256, 1024]
+
+
+def cached_kv(runner: ModelRunner, rid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, kv_len, Hkv, D] K and V of a request, by logical index (page ids differ between runners)."""
+    slots = runner.cache.slots(rid, 0, runner.kv_len(rid)).to(runner.cache.k.device)
+    return runner.cache.k[:, slots], runner.cache.v[:, slots]
+
+
+def random_tree(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random tree of n nodes: its [n, n] ancestor mask and node depths."""
+    parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return ancestor_mask(torch.tensor(parents)[None])[0], torch.tensor(depth)
+
+
+def run_steps(plain: ModelRunner, graphed: ModelRunner, seed: int, steps: int = 6) -> None:
+    g = torch.Generator().manual_seed(seed)
+    vocab = plain.model.config.vocab_size
+    rids = list(range(6))
+    prompts = [torch.randint(1, vocab, (int(torch.randint(2, 40, (), generator=g)),), generator=g) for _ in rids]
+    for runner in (plain, graphed):
+        runner.extend(rids, prompts, logits="none")
+    for _ in range(steps):
+        batch = [r for r in rids if torch.rand((), generator=g) < 0.6] or [0]  # sizes that need padding
+        n = 1 if torch.rand((), generator=g) < 0.5 else NODES
+        trees = [random_tree(n, g) for _ in batch]
+        tokens = [torch.randint(1, vocab, (n,), generator=g) for _ in batch]
+        positions = [plain.kv_len(r) + depth for r, (_, depth) in zip(batch, trees)]
+        masks = [mask if n > 1 else None for mask, _ in trees]
+        outs = [runner.extend(batch, tokens, positions=positions, tree_masks=masks) for runner in (plain, graphed)]
+        # padding the KV width changes the order of float sums, nothing else
+        torch.testing.assert_close(outs[1].hidden, outs[0].hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+        for r, (mask, _) in zip(batch, trees):  # accept a random root-to-node path
+            node = int(torch.randint(0, n, (), generator=g))
+            keep = mask[node].nonzero()[:, 0].tolist()
+            base = plain.kv_len(r) - n
+            for runner in (plain, graphed):
+                runner.commit(r, base, keep)
+        for r in rids:
+            for ours, theirs in zip(cached_kv(graphed, r), cached_kv(plain, r)):
+                torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def runners(path, page_size, device="cpu"):
+    model = load_model(path, device=device)
+    plain = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
+    graphed = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
+    graphed.enable_graphs(max_batch_size=8, tokens_per_request=(1, NODES))
+    return plain, graphed
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), page_size=st.sampled_from([1, 16]))
+def test_padded_static_forward_equals_plain(tiny_target, seed, page_size):
+    plain, graphed = runners(tiny_target, page_size)
+    run_steps(plain, graphed, seed)
+    assert graphed.graphs.graphs, "the graph path was never taken"
+    assert graphed.cache.block_tables[PAD_REQUEST], "padding rows own their page"
+
+
+@pytest.mark.parametrize("drafter", [None, {"type": "ngram"}])
+def test_engine_with_graphs_matches(tiny_target, drafter):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 4, 3, 4, 3]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 16, 8)]
+    tree = {"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": 6} if drafter else None
+    engines = [SpecEngine(tiny_target, drafter, tree, {"type": "greedy"} if drafter else None, device="cpu",
+                          dtype="float32", cuda_graphs=graphs) for graphs in (False, True)]
+    outs = [engine.generate(prompts, params) for engine in engines]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    shapes = {(size, n) for size, n, _, _ in engines[1].runner.graphs.graphs}
+    assert shapes >= ({(4, 6), (2, 6)} if drafter else {(4, 1), (2, 1)})  # 3 requests, then fewer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_equal_plain_on_cuda(tiny_target):
+    plain, graphed = runners(tiny_target, 1, device="cuda")
+    for seed in range(4):
+        run_steps(plain, graphed, seed, steps=8)
+    assert all(g.graph is not None for g in graphed.graphs.graphs.values())
