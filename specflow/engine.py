@@ -54,7 +54,7 @@ class SpecEngine:
 
     def __init__(self, target: str | Path | LlamaForCausalLM, drafter: Any = None, tree: Any = None,
                  verifier: Any = None, *, tokenizer: Any = None,
-                 device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "torch",
+                 device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "auto",
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
                  spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
                  record_steps: bool = False):
@@ -77,7 +77,11 @@ class SpecEngine:
         self.tree_builder = self.pipeline.tree
         self.verifier = self.pipeline.verifier
         num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
-        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+        graphable = hasattr(self.runner.attn, "graph_inputs")
+        if cuda_graphs and not graphable:
+            raise ConfigError(f"cuda_graphs: the {type(self.runner.attn).__name__} cannot be replayed from "
+                              f"CUDA graphs yet; use backend: torch or cuda_graphs: false")
+        if cuda_graphs or (cuda_graphs is None and graphable and self.device.type == "cuda"):
             self.runner.enable_graphs(max_batch_size, (1, num_draft_tokens))
         self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
         self.spec_max_batch_size = spec_max_batch_size

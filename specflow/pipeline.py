@@ -27,7 +27,7 @@ class EngineConfig:
     verifier: Any = field(default_factory=lambda: {"type": "rejection"})
     device: str = "auto"
     dtype: str = "auto"
-    backend: str = "torch"
+    backend: str = "auto"          # torch | flashinfer | auto (flashinfer on CUDA when it can serve the model)
     page_size: int = 1
     kv_cache_tokens: int = 65536
     max_batch_size: int = 32

@@ -194,3 +194,9 @@ def test_drafter_begin_and_release_pair_up(tiny_target):
     e.abort(b)
     e.abort(b)
     assert drafter.calls == [("begin", b), ("release", b)] and ("begin", a) not in drafter.calls
+
+
+def test_backend_choices(tiny_target):
+    with pytest.raises(ValueError, match="backend: 'flash' is not one of torch, flashinfer, auto"):
+        SpecEngine(tiny_target, device="cpu", backend="flash")
+    assert type(SpecEngine(tiny_target, device="cpu").runner.attn).__name__ == "TorchBackend"  # auto on a CPU

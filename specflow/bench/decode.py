@@ -12,7 +12,7 @@ from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
 
 
-def _best_times(fns: list, repeats: int) -> list[float]:
+def best_times(fns: list, repeats: int) -> list[float]:
     """Best-of-``repeats`` seconds of each function, alternating them after one warm-up each,
     so a noisy machine slows both alike."""
     for fn in fns:
@@ -50,7 +50,7 @@ def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: i
                 hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
 
-        ours, theirs = _best_times([lambda: engine.generate(prompts.tolist(), params), hf_generate], repeats)
+        ours, theirs = best_times([lambda: engine.generate(prompts.tolist(), params), hf_generate], repeats)
         row = {"batch_size": bs, "specflow_tok_s": bs * max_tokens / ours,
                "transformers_tok_s": bs * max_tokens / theirs, "ratio": theirs / ours}
         rows.append(row)

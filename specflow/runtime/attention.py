@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specflow.runtime.flashinfer_backend import FlashinferBackend, flashinfer_supports
 from specflow.runtime.kv_cache import PagedKVCache
 
 
@@ -121,4 +122,10 @@ class TorchBackend:
         return out if self.unpadded else out.index_select(0, self.q_rows)  # [T, Hq, D]
 
 
-BACKENDS = {"torch": TorchBackend}
+def auto_backend(cache: PagedKVCache, sliding_window: int | None = None) -> AttentionBackend:
+    """flashinfer when CUDA and flashinfer are there and the cache suits it (fp16/bf16, head_dim
+    64..512), the portable torch backend otherwise."""
+    return (FlashinferBackend if flashinfer_supports(cache) else TorchBackend)(cache, sliding_window)
+
+
+BACKENDS = {"torch": TorchBackend, "flashinfer": FlashinferBackend, "auto": auto_backend}

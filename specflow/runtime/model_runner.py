@@ -44,6 +44,8 @@ class ModelRunner:
         self.dtype = param.dtype
         self.cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   num_pages, page_size, dtype=param.dtype, device=param.device)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
         self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window)
         self.graphs: GraphRunner | None = None
 

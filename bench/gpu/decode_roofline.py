@@ -1,0 +1,115 @@
+"""Plain decoding of a Llama-3.1-8B-shaped model (random bfloat16 weights made on the GPU) at
+batch 1, against the memory-bandwidth roofline and transformers' static-cache generate on the
+same weights, all in one process (issue 5, item 4).
+
+    python bench/gpu/decode_roofline.py --out bench/results/decode_roofline.json
+    python bench/gpu/decode_roofline.py --tiny --out /tmp/decode_roofline.json   # CPU smoke run
+
+Decode time excludes the prefill: each side also generates 1 token (prefill + first token) and
+decode tok/s = new_tokens / (t(1 + new_tokens) - t(1)), best of ``repeats`` alternating runs.
+Bandwidth convention: a device-to-device copy of ``copy_bytes`` moves 2x that (read + write);
+the roofline divides it by the bytes a decode step must read (every weight but the embedding
+table, of which it reads one row, plus the K/V of the mean context).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.bench import gpu
+from specflow.engine import SpecEngine
+from specflow.sampling import SamplingParams
+from verifiers.greedy import GreedyVerifier
+
+REAL = dict(prompt_len=128, new_tokens=256, repeats=2, copy_bytes=4 << 30, copy_iters=20)
+TINY = dict(prompt_len=16, new_tokens=8, repeats=1, copy_bytes=16 << 20, copy_iters=3)
+GOAL = 0.85  # decode_tok_s / roofline_tok_s
+
+
+def copy_bandwidth_gb_s(device: torch.device, nbytes: int, iters: int) -> float:
+    """GB/s (1e9) of ``dst.copy_(src)`` over ``nbytes`` buffers, counting read + write bytes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = gpu.median_ms(lambda: dst.copy_(src), device, iters, warmup=2)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def decode_bytes(model, mean_context: float) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one decode step reads: every parameter but the embedding table
+    (one row of it) and ``mean_context`` tokens of K and V in every layer."""
+    cfg = model.config
+    embed = model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * embed.element_size()
+    return weights, int(kv_per_token * mean_context)
+
+
+def run(args) -> dict:
+    device, dtype = gpu.setup(args)
+    s = TINY if args.tiny else REAL
+    bandwidth = copy_bandwidth_gb_s(device, s["copy_bytes"], s["copy_iters"])
+    cfg = gpu.llama_config(args.tiny)
+    model = gpu.random_llama(cfg, device, dtype)
+    engine = SpecEngine(model, verifier=GreedyVerifier(), **gpu.engine_options(args),
+                        kv_cache_tokens=s["prompt_len"] + s["new_tokens"] + 16, max_batch_size=1)
+    hf = gpu.hf_llama(model)
+    prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt_len"]))
+    hf_prompt = prompt.to(device)
+
+    def ours(n: int):
+        return lambda: engine.generate(prompt.tolist(), SamplingParams(temperature=0.0, max_tokens=n,
+                                                                       ignore_eos=True))
+
+    eager = {"disable_compile": True} if args.hf_eager else {}  # GenerationConfig.disable_compile (recent transformers)
+
+    def theirs(n: int):
+        def call():
+            with torch.inference_mode():
+                hf.generate(hf_prompt, attention_mask=torch.ones_like(hf_prompt), do_sample=False,
+                            max_new_tokens=n, min_new_tokens=n, cache_implementation="static",
+                            pad_token_id=0, **eager)
+        return call
+
+    n = s["new_tokens"]
+    ours_full, ours_first, hf_full, hf_first = gpu.best_seconds(
+        [ours(1 + n), ours(1), theirs(1 + n), theirs(1)], device, s["repeats"])
+    decode_tok_s = n / (ours_full - ours_first)
+    weight_bytes, kv_bytes = decode_bytes(model, s["prompt_len"] + (n + 1) / 2)
+    roofline = bandwidth * 1e9 / (weight_bytes + kv_bytes)
+    result = {
+        "model": gpu.shape_of(cfg),
+        "shapes": {"batch_size": 1, "prompt_len": s["prompt_len"], "new_tokens": n, "repeats": s["repeats"],
+                   "copy_bytes": s["copy_bytes"]},
+        "decode_tok_s": decode_tok_s,
+        "hf_static_tok_s": n / (hf_full - hf_first),
+        "copy_bandwidth_gb_s": bandwidth,
+        "weight_bytes_per_token": weight_bytes,
+        "mean_kv_bytes_per_token": kv_bytes,
+        "roofline_tok_s": roofline,
+        "decode_vs_roofline": decode_tok_s / roofline,
+        "hf_static_vs_roofline": n / (hf_full - hf_first) / roofline,
+        "prefill_plus_first_token_s": {"specflow": ours_first, "hf_static": hf_first},
+        "goal": f"decode_vs_roofline >= {GOAL}",
+        "cuda_graphs": engine.runner.graphs is not None,
+        "hf_compiled": device.type == "cuda" and not args.hf_eager,
+        "note": ("bandwidth counts read + write bytes of a device-to-device copy; on CUDA transformers "
+                 "compiles its static-cache decode step itself (auto-compile) unless --hf-eager, and "
+                 "the compile time falls in the untimed warm-up run"),
+    }
+    gpu.print_table([{"": "specflow", "tok/s": decode_tok_s, "x roofline": result["decode_vs_roofline"]},
+                     {"": "hf static", "tok/s": result["hf_static_tok_s"], "x roofline": result["hf_static_vs_roofline"]},
+                     {"": "roofline", "tok/s": roofline, "x roofline": 1.0}], ["", "tok/s", "x roofline"])
+    print(f"copy bandwidth {bandwidth:.1f} GB/s, {weight_bytes / 1e9:.3f} GB weights + "
+          f"{kv_bytes / 1e6:.2f} MB K/V per token")
+    return gpu.write_result(args, device, dtype, "decode_roofline", result)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = gpu.parser(__doc__)
+    p.add_argument("--hf-eager", action="store_true", help="turn off transformers' auto-compile")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

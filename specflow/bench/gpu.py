@@ -1,0 +1,187 @@
+"""Shared pieces of the GPU benchmarks in ``bench/gpu/``: Llama-3.1-8B-shaped models with random
+weights made on the device, timers, the common command line and the JSON they write.
+
+Every script runs at the real shape by default (an H200, bfloat16) and at a tiny shape with
+``--tiny`` (a CPU smoke run in seconds); both write the same JSON keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from specflow.bench.decode import best_times
+from specflow.engine import resolve_device
+from specflow.models import LlamaForCausalLM, ModelConfig
+
+# meta-llama/Llama-3.1-8B-Instruct's config.json, as a ModelConfig
+LLAMA_8B = dict(
+    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=[128001, 128008, 128009])
+# the same architecture (GQA, llama3 RoPE) small enough for a CPU smoke run
+TINY = dict(LLAMA_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_ids=[2])
+INIT_STD = 0.02  # Llama's initializer_range: logits of a random model stay O(1)
+
+
+def llama_config(tiny: bool) -> ModelConfig:
+    return ModelConfig(**(TINY if tiny else LLAMA_8B))
+
+
+def shape_of(cfg: ModelConfig) -> dict:
+    """The JSON record of a model's architecture."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rope_scaling")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def random_init_(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Give a module built on the meta device random weights made on ``device`` in ``dtype``
+    (norm weights 1, biases 0, the rest N(0, INIT_STD)), one tensor at a time: an 8B model
+    never exists twice, nor on the host. Buffers (RoPE tables) move to ``device`` as they are."""
+    gen = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(p.shape, device=device, dtype=dtype)
+        elif name.endswith("bias"):
+            state[name] = torch.zeros(p.shape, device=device, dtype=dtype)
+        else:
+            state[name] = torch.randn(p.shape, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.to(device).eval()
+
+
+def random_llama(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A native Llama with random weights, built directly on ``device``."""
+    assert not cfg.tie_word_embeddings, "random_init_ would give the tied pair two tensors"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return random_init_(model, device, dtype, seed)
+
+
+def hf_llama(model: LlamaForCausalLM):
+    """A ``transformers`` LlamaForCausalLM sharing ``model``'s weight tensors (no copy): the
+    parameter names are the same."""
+    import transformers
+
+    param = next(model.parameters())
+    config = transformers.LlamaConfig.from_dict(model.config.to_hf())
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(model.state_dict(), strict=True, assign=True)
+    # RoPE tables are non-persistent buffers: build them again off the meta device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(param.device)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    assert not left, f"tensors left on the meta device: {left}"
+    return hf.eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``: CUDA events on a GPU
+    (the queue drained before each call, so host overhead counts), perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def best_seconds(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+    """Best-of-``repeats`` seconds of each function, alternating (specflow.bench.decode), each
+    call ending with a device synchronize."""
+
+    def synced(fn):
+        def call():
+            fn()
+            synchronize(device)
+        return call
+
+    return best_times([synced(fn) for fn in fns], repeats)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every GPU benchmark takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write (e.g. bench/results/NAME.json)")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama and short runs: a CPU smoke test")
+    p.add_argument("--backend", default="torch", help="attention backend of the engine")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's CUDA graphs (auto: on for CUDA; on a CPU, 'on' runs the padded path eagerly)")
+    p.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """SpecEngine keyword arguments chosen on the command line."""
+    return {"backend": args.backend, "cuda_graphs": {"auto": None, "on": True, "off": False}[args.cuda_graphs]}
+
+
+def setup(args: argparse.Namespace, needs_gpu: bool = True) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of a run; with ``needs_gpu`` the real shape refuses to run on a CPU."""
+    device, dtype = resolve_device(args.device, args.dtype)
+    if needs_gpu and device.type != "cuda" and not args.tiny:
+        raise SystemExit("the real (8B) shape needs a CUDA GPU; pass --tiny for a CPU smoke run")
+    torch.manual_seed(0)
+    return device, dtype
+
+
+def environment(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a result was measured on."""
+    import transformers
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "backend": args.backend,
+            "dtype": str(dtype).removeprefix("torch."), "tiny": args.tiny}
+
+
+def write_result(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bench: str,
+                 result: dict) -> dict:
+    """Prefix ``result`` with the environment and write it to ``args.out`` as JSON."""
+    result = {"bench": bench, **environment(args, device, dtype), **result}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A fixed-width table of ``rows`` (floats with 3 significant decimals)."""
+
+    def cell(v) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))

@@ -1,0 +1,112 @@
+"""The GPU benchmarks of bench/gpu/ run end to end at their tiny shape on the CPU and write the
+JSON keys the real runs will; no speed is asserted. Also the shared pieces they rely on."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from specflow.bench import gpu
+from specflow.models.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV_KEYS = {"bench", "device", "torch", "transformers", "backend", "dtype", "tiny", "note"}
+
+
+def script(name: str):
+    """bench/gpu/NAME.py as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_gpu_{name}", ROOT / "bench" / "gpu" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tiny(name: str, tmp_path, *options: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    result = script(name).main(["--tiny", "--out", str(out), "--device", "cpu", *options])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert ENV_KEYS <= result.keys() and result["device"] == "cpu" and result["bench"] == name
+    return result
+
+
+def positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+# "on" runs the CUDA-graph engine path (padded static buffers) eagerly on the CPU
+GRAPHS = pytest.mark.parametrize("graphs", ["off", "on"])
+
+
+@GRAPHS
+def test_decode_roofline(tmp_path, graphs):
+    r = run_tiny("decode_roofline", tmp_path, "--cuda-graphs", graphs)
+    assert r["cuda_graphs"] == (graphs == "on")
+    assert positive(r["decode_tok_s"], r["hf_static_tok_s"], r["copy_bandwidth_gb_s"], r["roofline_tok_s"],
+                    r["decode_vs_roofline"], r["weight_bytes_per_token"], r["mean_kv_bytes_per_token"])
+    assert r["decode_vs_roofline"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+
+
+@GRAPHS
+def test_verify_step(tmp_path, graphs):
+    r = run_tiny("verify_step", tmp_path, "--cuda-graphs", graphs)
+    assert r["cuda_graphs"] == (graphs == "on")
+    assert set(r["verify_step_ratio"]) == {"16", "32", "64"}
+    assert positive(r["decode_step_ms"], *r["verify_step_ms"].values(), *r["verify_step_ratio"].values())
+
+
+@GRAPHS
+def test_spec_step(tmp_path, graphs):
+    r = run_tiny("spec_step", tmp_path, "--cuda-graphs", graphs)
+    assert r["cuda_graphs"] == (graphs == "on")
+    assert r["tree"] == {"type": "eagle2", "topk": 8, "depth": 5, "num_draft_tokens": 64}
+    assert positive(r["decode_step_ms"], r["spec_step_ms"], r["spec_step_ratio"], r["spec_step_tokens_per_step"])
+    assert [row["batch_size"] for row in r["throughput"]] == r["shapes"]["batch_sizes"]
+    for row in r["throughput"]:
+        assert positive(row["plain_tok_s"], row["spec_tok_s"]) and row["spec_tokens_per_step"] >= 1
+
+
+def test_tiny_family(tmp_path):
+    r = run_tiny("tiny_family", tmp_path)
+    rows = {row["method"]: row for row in r["rows"]}
+    assert set(rows) == {"baseline", "draft_model", "eagle", "eagle3", "hf", "hf_assisted"}
+    for name, row in rows.items():
+        assert positive(row["tok_s"], row["speedup"])
+        assert row["same_tokens_as_plain"] == 1.0, name  # greedy in float32: lossless on both sides
+    for name in ("draft_model", "eagle", "eagle3"):
+        assert positive(rows[name]["vs_hf_assisted"]) and rows[name]["accept_length"] >= 1
+
+
+def test_random_tree_is_a_bounded_tree():
+    depth, mask = script("verify_step").random_tree(64, topk=8, depth=5, gen=torch.Generator().manual_seed(0))
+    assert depth[0] == 0 and depth.max() <= 5 and mask.diagonal().all()
+    assert torch.equal(mask.sum(1), depth + 1)  # a node sees itself and its depth-many ancestors
+    parents = [int(row[:i].nonzero().max()) if i else -1 for i, row in enumerate(mask)]  # deepest ancestor
+    assert max(parents.count(p) for p in range(64)) <= 8
+
+
+def test_hf_llama_shares_weights_and_matches_logits():
+    cfg = ModelConfig(**{**gpu.TINY, "max_position_embeddings": 4096})
+    model = gpu.random_llama(cfg, torch.device("cpu"), torch.float32)
+    hf = gpu.hf_llama(model)
+    assert hf.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.inference_mode():
+        hidden, _ = model(ids[0], torch.arange(12), _CausalAttention())
+        torch.testing.assert_close(model.compute_logits(hidden), hf(ids).logits[0], rtol=1e-4, atol=1e-4)
+
+
+class _CausalAttention:
+    """Plain causal attention over the forward's own tokens (no cache), for a logits check."""
+
+    def forward(self, layer, q, k, v):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))   # [H, T, D]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)                         # [T, Hq, D]
+
+
+def test_real_shape_refuses_the_cpu(tmp_path):
+    with pytest.raises(SystemExit, match="--tiny"):
+        script("decode_roofline").main(["--out", str(tmp_path / "x.json"), "--device", "cpu"])
