@@ -256,11 +256,12 @@ class SpecEngine:
         else:
             n_send = (tree.valid.long() * torch.arange(1, tree.num_nodes + 1)).amax(1).tolist()
         needs = self.drafter.needs if self.drafter else None
+        tokens, positions = tree.tokens.tolist(), tree.positions.tolist()
         return self.runner.extend(
             [r.id for r in batch],
-            [t[:n] for t, n in zip(tree.tokens.unbind(0), n_send)],
-            positions=[p[:n] for p, n in zip(tree.positions.unbind(0), n_send)],
-            tree_masks=[m[:n, :n] if n > 1 else None for m, n in zip(tree.mask.unbind(0), n_send)],  # 1 node: causal
+            [t[:n] for t, n in zip(tokens, n_send)],
+            positions=[p[:n] for p, n in zip(positions, n_send)],
+            tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
             taps=needs.layer_taps if needs else ())
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +26,14 @@ class ExtendOutput:
 
     def rows(self, r: int) -> slice:
         return slice(self.offsets[r], self.offsets[r + 1])
+
+
+def token_flat(rows: list) -> Tensor:
+    """[T] int64 CPU tensor of per-request rows (int sequences or 1-D tensors), request-major;
+    int rows go through numpy, one conversion for the whole batch."""
+    if any(isinstance(r, Tensor) for r in rows):
+        return torch.cat([torch.as_tensor(r).view(-1).cpu() for r in rows]).long()
+    return torch.from_numpy(np.fromiter(chain.from_iterable(rows), dtype=np.int64))
 
 
 class ModelRunner:
@@ -58,26 +68,25 @@ class ModelRunner:
         return self.cache.kv_lens.get(request_id, 0)
 
     @torch.inference_mode()
-    def extend(self, request_ids: list[int], token_ids: list[list[int]] | list[Tensor], *,
-               positions: list[Tensor] | None = None, tree_masks: list[Tensor | None] | None = None,
+    def extend(self, request_ids: list[int], token_ids: list, *,
+               positions: list | None = None, tree_masks: list[Tensor | None] | None = None,
                logits: Literal["all", "last", "none"] = "all", taps: tuple[int, ...] = (),
                inputs: dict[str, Tensor] | None = None) -> ExtendOutput:
         """Append tokens to each request's cache and run the model over them.
 
+        Token ids and positions are per-request rows: lists (or ranges) of ints, or 1-D tensors.
         ``positions`` default to consecutive positions after the cached prefix; tree verification
         passes depth-based positions and ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are
         extra per-token model inputs, token-flat ``[T, ...]`` in the order of ``token_ids``
         (e.g. EAGLE's ``features``), passed to the model as keyword arguments.
         """
-        tokens = [torch.as_tensor(t, dtype=torch.long).view(-1) for t in token_ids]
-        qo_lens = [len(t) for t in tokens]
+        qo_lens = [len(t) for t in token_ids]
         prefix_lens = [self.kv_len(r) for r in request_ids]
         self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
         if positions is None:
-            positions = [torch.arange(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
-        batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, torch.cat(positions).long(),
-                                   tree_masks)
-        input_ids = torch.cat(tokens).to(self.device)
+            positions = [range(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
+        batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, token_flat(positions), tree_masks)
+        input_ids = token_flat(token_ids).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
         if self.graphs is not None and not extra and self.graphs.fits(qo_lens):
