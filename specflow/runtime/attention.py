@@ -51,13 +51,14 @@ class ForwardBatch:
 
 
 class AttentionBackend(Protocol):
-    """``plan`` once per forward (host-side work), then ``forward`` per layer. ``plan`` leaves
-    the tensors ``forward`` reads in the attributes named by ``graph_inputs``, so a CUDA graph
-    can copy them into its static buffers and replay (specflow.runtime.cuda_graph)."""
+    """``plan`` once per forward (host-side work), then ``forward`` per layer. With
+    ``static=True`` a backend that supports CUDA graphs plans tensors of one layout whatever the
+    batch holds and leaves them in the attributes named by ``graph_inputs``, so a graph can copy
+    them into its static buffers and replay (specflow.runtime.cuda_graph)."""
 
     graph_inputs: tuple[str, ...]
 
-    def plan(self, batch: ForwardBatch) -> None: ...
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
@@ -71,7 +72,7 @@ class TorchBackend:
         self.cache = cache
         self.sliding_window = sliding_window
 
-    def plan(self, batch: ForwardBatch) -> None:
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         device = self.cache.k.device
         b, max_kv = batch.kv_index.shape
         max_q = max(batch.qo_lens)
@@ -97,9 +98,11 @@ class TorchBackend:
         mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
         self.kv_index = batch.kv_index.to(device)                                      # [B, max_kv]
-        # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
-        bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf")))
-        self.mask = bias[:, None].to(device, self.cache.k.dtype)                       # [B, 1, max_q, max_kv]
+        if mask.all() and not static:  # every key visible (e.g. one request decoding): no mask at all
+            self.mask = None
+        else:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
+            bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf")))
+            self.mask = bias[:, None].to(device, self.cache.k.dtype)                   # [B, 1, max_q, max_kv]
         self.q_rows = torch.from_numpy(np.flatnonzero(new)).to(device)                 # [T] padded row of each token
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
         self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
@@ -117,7 +120,8 @@ class TorchBackend:
         keys = k_pool.index_select(0, flat).view(b, max_kv, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, max_kv, D]
         values = v_pool.index_select(0, flat).view(b, max_kv, *v_pool.shape[1:]).transpose(1, 2)  # [B, Hkv, max_kv, D]
         out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=self.mask.to(q.dtype), enable_gqa=True)
+                                             attn_mask=self.mask if self.mask is None else self.mask.to(q.dtype),
+                                             enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * max_q, hq, d)        # [B * max_q, Hq, D]
         return out if self.unpadded else out.index_select(0, self.q_rows)  # [T, Hq, D]
 

@@ -84,7 +84,7 @@ class GraphRunner:
             torch.cat([batch.positions.cpu(), torch.zeros(pad * n, dtype=torch.long)]),
             batch.tree_masks + [None] * pad, kv_width=width)
         attn = self.runner.attn
-        attn.plan(padded)
+        attn.plan(padded, static=True)
         key = (size, n, width, taps)
         g = self.graphs.get(key)
         if g is None:

@@ -136,7 +136,7 @@ class FlashinferBackend:
         self.wrapper = None
         self.plan_args: dict | None = None
 
-    def plan(self, batch: ForwardBatch) -> None:
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         device, dtype = self.cache.k.device, self.cache.k.dtype
         indptr, indices, last_page_len = page_table(self.cache, batch)
         trees = any(m is not None for m in batch.tree_masks)
