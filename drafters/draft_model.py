@@ -11,7 +11,7 @@ from specflow.models import CheckpointError, load_model
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
 from specflow.runtime.draft_runner import TreeDraftRunner
-from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.model_runner import RuntimeOptions
 from specflow.tree import Expansion, Frontier, Verdict
 
 
@@ -30,20 +30,21 @@ class DraftModelDrafter:
     needs = TargetNeeds()
 
     def __init__(self, model: torch.nn.Module, *, target_vocab_size: int | None = None,
-                 kv_cache_tokens: int = 65536, page_size: int = 1):
+                 kv_cache_tokens: int = 65536, page_size: int = 1, runtime: RuntimeOptions | None = None):
         vocab = model.config.vocab_size
         if target_vocab_size is not None and vocab != target_vocab_size:
             raise CheckpointError(f"draft model vocabulary ({vocab}) differs from the target's "
                                   f"({target_vocab_size}); a draft model must share the tokenizer")
         self.vocab_size = vocab
-        self.runner = TreeDraftRunner(ModelRunner(model, num_pages=max(1, kv_cache_tokens // page_size),
-                                                  page_size=page_size))
+        self.runner = TreeDraftRunner((runtime or RuntimeOptions()).runner(
+            model, num_pages=max(1, kv_cache_tokens // page_size), page_size=page_size))
 
     @classmethod
     def from_config(cls, cfg: DraftModelConfig, *, vocab_size: int | None = None, device: Any = "cpu",
-                    dtype: Any = torch.float32, **_: Any) -> "DraftModelDrafter":
+                    dtype: Any = torch.float32, runtime: RuntimeOptions | None = None,
+                    **_: Any) -> "DraftModelDrafter":
         return cls(load_model(cfg.path, device=device, dtype=dtype), target_vocab_size=vocab_size,
-                   kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size)
+                   kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size, runtime=runtime)
 
     def begin(self, features: TargetFeatures) -> None:
         for rid, tokens in zip(features.request_ids, features.tokens):

@@ -23,7 +23,7 @@ from specflow.models.eagle import EagleHead, load_eagle
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
 from specflow.runtime.draft_runner import TreeDraftRunner
-from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
 from specflow.tree import Expansion, Frontier, Verdict
 
 
@@ -65,19 +65,20 @@ class EagleDrafter:
 
     needs = TargetNeeds(last_hidden=True)
 
-    def __init__(self, head: EagleHead, *, kv_cache_tokens: int = 65536, page_size: int = 1):
+    def __init__(self, head: EagleHead, *, kv_cache_tokens: int = 65536, page_size: int = 1,
+                 runtime: RuntimeOptions | None = None):
         self.head = head
         self.vocab_size = head.config.vocab_size
-        self.runner = TreeDraftRunner(ModelRunner(head, num_pages=max(1, kv_cache_tokens // page_size),
-                                                  page_size=page_size), features=True)
+        self.runner = TreeDraftRunner((runtime or RuntimeOptions()).runner(
+            head, num_pages=max(1, kv_cache_tokens // page_size), page_size=page_size), features=True)
 
     @classmethod
     def from_config(cls, cfg: EagleConfig, *, target: ModelRunner, device: Any = "cpu",
-                    dtype: Any = torch.float32, **_: Any) -> "EagleDrafter":
+                    dtype: Any = torch.float32, runtime: RuntimeOptions | None = None, **_: Any) -> "EagleDrafter":
         head = load_eagle(cfg.path, target.model, device=device, dtype=dtype)
         if cfg.token_map is not None:
             head.set_token_map(load_token_map(cfg.token_map, head.config.vocab_size))
-        return cls(head, kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size)
+        return cls(head, kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size, runtime=runtime)
 
     def target_features(self, features: TargetFeatures) -> list[Tensor]:
         """Per request [n, F] target features of the committed tokens, as this head reads them."""

@@ -14,7 +14,7 @@ from drafters.eagle import EagleDrafter
 from specflow.models.eagle3 import Eagle3Head, load_eagle3
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
-from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
 
 
 @dataclass
@@ -29,15 +29,16 @@ class Eagle3Drafter(EagleDrafter):
     """EAGLE drafting with an EAGLE-3 head; ``needs`` the hidden states entering the head's tap
     layers, which the head's ``fc`` projects once per committed token."""
 
-    def __init__(self, head: Eagle3Head, *, kv_cache_tokens: int = 65536, page_size: int = 1):
-        super().__init__(head, kv_cache_tokens=kv_cache_tokens, page_size=page_size)
+    def __init__(self, head: Eagle3Head, *, kv_cache_tokens: int = 65536, page_size: int = 1,
+                 runtime: RuntimeOptions | None = None):
+        super().__init__(head, kv_cache_tokens=kv_cache_tokens, page_size=page_size, runtime=runtime)
         self.needs = TargetNeeds(layer_taps=head.taps)
 
     @classmethod
     def from_config(cls, cfg: Eagle3Config, *, target: ModelRunner, device: Any = "cpu",
-                    dtype: Any = torch.float32, **_: Any) -> "Eagle3Drafter":
+                    dtype: Any = torch.float32, runtime: RuntimeOptions | None = None, **_: Any) -> "Eagle3Drafter":
         head = load_eagle3(cfg.path, target.model, device=device, dtype=dtype)
-        return cls(head, kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size)
+        return cls(head, kv_cache_tokens=cfg.kv_cache_tokens, page_size=cfg.page_size, runtime=runtime)
 
     def target_features(self, features: TargetFeatures) -> list[Tensor]:
         assert features.taps is not None, "the engine must pass the layer taps (needs.layer_taps)"

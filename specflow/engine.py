@@ -15,7 +15,7 @@ from specflow.pipeline import EngineConfig, Pipeline
 from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
-from specflow.runtime.model_runner import ExtendOutput, ModelRunner
+from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
@@ -68,21 +68,25 @@ class SpecEngine:
             self.tokenizer = tokenizer or load_tokenizer(target)
         self.runner = ModelRunner(self.model, num_pages=max(1, kv_cache_tokens // page_size),
                                   page_size=page_size, backend=backend)
-        self.pipeline = Pipeline.from_config(
-            drafter, tree if tree is not None else {"type": "chain"},
-            verifier if verifier is not None else {"type": "rejection"},
-            target=self.runner, vocab_size=self.model.config.vocab_size,
-            device=self.device, dtype=self.dtype)
-        self.drafter = self.pipeline.drafter
-        self.tree_builder = self.pipeline.tree
-        self.verifier = self.pipeline.verifier
-        num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
         graphable = hasattr(self.runner.attn, "graph_inputs")
         if cuda_graphs and not graphable:
             raise ConfigError(f"cuda_graphs: the {type(self.runner.attn).__name__} cannot be replayed from "
                               f"CUDA graphs yet; use backend: torch or cuda_graphs: false")
-        if cuda_graphs or (cuda_graphs is None and graphable and self.device.type == "cuda"):
-            self.runner.enable_graphs(max_batch_size, (1, num_draft_tokens))
+        if cuda_graphs is None:
+            cuda_graphs = graphable and self.device.type == "cuda"
+        # drafters build their own runners with the target's backend and graph settings
+        self.pipeline = Pipeline.from_config(
+            drafter, tree if tree is not None else {"type": "chain"},
+            verifier if verifier is not None else {"type": "rejection"},
+            target=self.runner, vocab_size=self.model.config.vocab_size,
+            device=self.device, dtype=self.dtype,
+            runtime=RuntimeOptions(backend, cuda_graphs, max_batch_size))
+        self.drafter = self.pipeline.drafter
+        self.tree_builder = self.pipeline.tree
+        self.verifier = self.pipeline.verifier
+        num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
+        if cuda_graphs:
+            self.runner.enable_graphs(max_batch_size, num_draft_tokens)
         self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
         self.spec_max_batch_size = spec_max_batch_size
         self.record_steps = record_steps

@@ -49,7 +49,7 @@ def run(args) -> dict:
                         kv_cache_tokens=prefix + 2 * max(s["nodes"]) + 16, max_batch_size=1)  # + graph padding
     runner, rid = engine.runner, 0
     if runner.graphs is not None:  # as engines with N-node trees replay them: a graph per node count
-        runner.enable_graphs(1, (1, *s["nodes"]))
+        runner.enable_graphs(1, max(s["nodes"]))
     runner.extend([rid], [torch.randint(3, cfg.vocab_size, (prefix,))], logits="none")
     gen = torch.Generator().manual_seed(0)
 

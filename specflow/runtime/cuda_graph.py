@@ -43,6 +43,7 @@ class _Graph:
     input_ids: Tensor        # [Bc * N]
     positions: Tensor        # [Bc * N]
     planned: dict[str, Tensor]  # the attention's planned tensors, static copies
+    inputs: dict[str, Tensor]   # extra model inputs (EAGLE's features), [Bc * N, ...] each
     hidden: Tensor | None = None
     taps: list[Tensor] | None = None
     graph: torch.cuda.CUDAGraph | None = None
@@ -52,28 +53,29 @@ class GraphRunner:
     """Fixed-shape forwards of a ``ModelRunner``'s model, replayed from CUDA graphs.
 
     ``fits(qo_lens)`` says whether a forward can run here (every request sends the same number of
-    tokens, one of ``tokens_per_request``, and the batch is at most the largest captured size).
-    Graphs are captured lazily, the first time each shape is met.
+    tokens, at most ``max_tokens_per_request``, and the batch is at most the largest captured
+    size). Graphs are captured lazily, the first time each shape is met.
     """
 
-    def __init__(self, runner, max_batch_size: int, tokens_per_request: tuple[int, ...] = (1,),
-                 capture: bool = True):
+    def __init__(self, runner, max_batch_size: int, max_tokens_per_request: int = 1, capture: bool = True):
         self.runner = runner
         self.sizes = capture_sizes(max_batch_size)
-        self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
+        self.max_tokens_per_request = max_tokens_per_request
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # the padding rows' own page(s): their K/V is written there and nowhere else
-        runner.cache.reserve([PAD_REQUEST], [max(self.tokens_per_request)])
+        runner.cache.reserve([PAD_REQUEST], [max_tokens_per_request])
 
     def fits(self, qo_lens: list[int]) -> bool:
         n = qo_lens[0]
-        return n in self.tokens_per_request and len(qo_lens) <= self.sizes[-1] and all(q == n for q in qo_lens)
+        return n <= self.max_tokens_per_request and len(qo_lens) <= self.sizes[-1] and all(q == n for q in qo_lens)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, input_ids: Tensor, taps: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
-        """The model's ``(hidden [T, H], taps)`` for ``batch``, through a padded static graph."""
+    def forward(self, batch: ForwardBatch, input_ids: Tensor, taps: tuple[int, ...],
+                inputs: dict[str, Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The model's ``(hidden [T, H], taps)`` for ``batch`` (extra token-flat ``inputs``
+        included), through a padded static graph."""
         b, n = len(batch.request_ids), batch.qo_lens[0]
         size = next(s for s in self.sizes if s >= b)
         width = kv_bucket(batch.kv_index.shape[1])
@@ -85,32 +87,35 @@ class GraphRunner:
             batch.tree_masks + [None] * pad, kv_width=width)
         attn = self.runner.attn
         attn.plan(padded, static=True)
-        key = (size, n, width, taps)
+        key = (size, n, width, taps, tuple(inputs))
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._new_graph(size * n, attn)
+            g = self.graphs[key] = self._new_graph(size * n, attn, inputs)
         for name, static in g.planned.items():
             static.copy_(getattr(attn, name))
             setattr(attn, name, static)
-        g.input_ids.zero_()[: b * n].copy_(input_ids)
+        t = b * n
+        g.input_ids.zero_()[:t].copy_(input_ids)
         g.positions.copy_(padded.positions)
+        for name, x in inputs.items():
+            g.inputs[name].zero_()[:t].copy_(x)
         if g.hidden is None:
             self._record(g, taps)
         elif g.graph is not None:
             g.graph.replay()
         else:
             g.hidden, g.taps = self._run(g, taps)
-        t = b * n
         return g.hidden[:t].clone(), [x[:t].clone() for x in g.taps]
 
-    def _new_graph(self, num_tokens: int, attn) -> _Graph:
+    def _new_graph(self, num_tokens: int, attn, inputs: dict[str, Tensor]) -> _Graph:
         device = self.runner.device
         planned = {name: getattr(attn, name).clone() for name in attn.graph_inputs}
         return _Graph(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                      torch.zeros(num_tokens, dtype=torch.long, device=device), planned)
+                      torch.zeros(num_tokens, dtype=torch.long, device=device), planned,
+                      {name: x.new_zeros(num_tokens, *x.shape[1:]) for name, x in inputs.items()})
 
     def _run(self, g: _Graph, taps: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
-        return self.runner.model(g.input_ids, g.positions, self.runner.attn, taps)
+        return self.runner.model(g.input_ids, g.positions, self.runner.attn, taps, **g.inputs)
 
     def _record(self, g: _Graph, taps: tuple[int, ...]) -> None:
         if not self.capture:

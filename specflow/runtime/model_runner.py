@@ -28,6 +28,25 @@ class ExtendOutput:
         return slice(self.offsets[r], self.offsets[r + 1])
 
 
+@dataclass
+class RuntimeOptions:
+    """The runtime settings a drafter's own ModelRunner takes from the engine: attention backend
+    and CUDA graphs (padded to ``max_batch_size`` requests)."""
+
+    backend: str = "auto"
+    cuda_graphs: bool = False
+    max_batch_size: int = 32
+
+    def runner(self, model: torch.nn.Module, *, num_pages: int, page_size: int = 1,
+               max_tokens_per_request: int = 64) -> "ModelRunner":
+        """A runner for ``model``; expansions of up to ``max_tokens_per_request`` nodes per
+        request replay from graphs when ``cuda_graphs`` is on and the backend supports them."""
+        runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, backend=self.backend)
+        if self.cuda_graphs and hasattr(runner.attn, "graph_inputs"):
+            runner.enable_graphs(self.max_batch_size, max_tokens_per_request)
+        return runner
+
+
 def token_flat(rows: list) -> Tensor:
     """[T] int64 CPU tensor of per-request rows (int sequences or 1-D tensors), request-major;
     int rows go through numpy, one conversion for the whole batch."""
@@ -59,10 +78,11 @@ class ModelRunner:
         self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window)
         self.graphs: GraphRunner | None = None
 
-    def enable_graphs(self, max_batch_size: int, tokens_per_request: tuple[int, ...]) -> None:
-        """Run fixed-shape forwards (every request sending one of ``tokens_per_request`` tokens)
-        through padded CUDA graphs; on a CPU the same padded static path runs eagerly."""
-        self.graphs = GraphRunner(self, max_batch_size, tokens_per_request, capture=self.device.type == "cuda")
+    def enable_graphs(self, max_batch_size: int, max_tokens_per_request: int) -> None:
+        """Run fixed-shape forwards (every request sending the same number of tokens, at most
+        ``max_tokens_per_request``) through padded CUDA graphs; on a CPU the same padded static
+        path runs eagerly."""
+        self.graphs = GraphRunner(self, max_batch_size, max_tokens_per_request, capture=self.device.type == "cuda")
 
     def kv_len(self, request_id: int) -> int:
         return self.cache.kv_lens.get(request_id, 0)
@@ -89,8 +109,8 @@ class ModelRunner:
         input_ids = token_flat(token_ids).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
-        if self.graphs is not None and not extra and self.graphs.fits(qo_lens):
-            hidden, tapped = self.graphs.forward(batch, input_ids, taps)
+        if self.graphs is not None and self.graphs.fits(qo_lens):
+            hidden, tapped = self.graphs.forward(batch, input_ids, taps, extra)
         else:
             self.attn.plan(batch)
             hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)

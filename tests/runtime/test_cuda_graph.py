@@ -71,7 +71,7 @@ def runners(path, page_size, device="cpu"):
     model = load_model(path, device=device)
     plain = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
     graphed = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
-    graphed.enable_graphs(max_batch_size=8, tokens_per_request=(1, NODES))
+    graphed.enable_graphs(max_batch_size=8, max_tokens_per_request=NODES)
     return plain, graphed
 
 
@@ -93,7 +93,7 @@ def test_engine_with_graphs_matches(tiny_target, drafter):
                           dtype="float32", cuda_graphs=graphs) for graphs in (False, True)]
     outs = [engine.generate(prompts, params) for engine in engines]
     assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
-    shapes = {(size, n) for size, n, _, _ in engines[1].runner.graphs.graphs}
+    shapes = {key[:2] for key in engines[1].runner.graphs.graphs}  # (batch size, tokens per request)
     assert shapes >= ({(4, 6), (2, 6)} if drafter else {(4, 1), (2, 1)})  # 3 requests, then fewer
 
 
@@ -104,3 +104,23 @@ def test_captured_graphs_equal_plain_on_cuda(tiny_target):
     for seed in range(4):
         run_steps(plain, graphed, seed, steps=8)
     assert all(g.graph is not None for g in graphed.graphs.graphs.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("drafter", ["draft", "eagle", "eagle3"])
+def test_drafter_expansions_through_graphs_match(drafter, device):
+    """The shipped family: drafter expansions replay from graphs too (on a CPU: the padded
+    static path), with the same greedy output as eager steps."""
+    zoo = "zoo/tiny-code"
+    node = {"draft": {"type": "draft_model", "path": f"{zoo}/draft"},
+            "eagle": {"type": "eagle", "path": f"{zoo}/eagle"},
+            "eagle3": {"type": "eagle3", "path": f"{zoo}/eagle3"}}[drafter]
+    tree = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
+    prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 6)]
+    engines = [SpecEngine(f"{zoo}/target", node, tree, {"type": "greedy"}, device=device, dtype="float32",
+                          cuda_graphs=graphs) for graphs in (False, True)]
+    outs = [engine.generate(prompts, params) for engine in engines]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert engines[1].drafter.runner.runner.graphs.graphs, "the drafter's expansions never took the graph path"
