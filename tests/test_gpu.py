@@ -1,0 +1,81 @@
+"""The suite's correctness claims on a CUDA GPU, with both attention backends (``make test-gpu``):
+logits equal to transformers, and every learned drafter x tree greedy-lossless, on the shipped
+family. The torch backend runs in float32 with CUDA graphs (the default on CUDA); flashinfer has
+no float32 kernels, so it runs in bfloat16."""
+
+import pytest
+import torch
+
+from specflow import SamplingParams, SpecEngine
+from specflow.models import load_model
+from specflow.runtime.flashinfer_backend import flashinfer_available
+from specflow.runtime.model_runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ZOO = "zoo/tiny-code"
+BACKENDS = [  # (backend, dtype)
+    pytest.param(("torch", torch.float32), id="torch-fp32"),
+    pytest.param(("flashinfer", torch.bfloat16), id="flashinfer-bf16",
+                 marks=pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")),
+]
+DRAFTERS = {
+    "ngram": {"type": "ngram"},
+    "draft": {"type": "draft_model", "path": f"{ZOO}/draft"},
+    "eagle": {"type": "eagle", "path": f"{ZOO}/eagle"},
+    "eagle3": {"type": "eagle3", "path": f"{ZOO}/eagle3"},
+}
+TREES = {
+    "chain": {"type": "chain", "depth": 4},
+    "eagle2": {"type": "eagle2", "topk": 4, "depth": 4, "num_draft_tokens": 16},
+}
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self", "for i in range("]
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (48, 32, 40, 24)]
+
+
+@pytest.mark.parametrize("setting", BACKENDS)
+def test_logits_match_transformers(setting):
+    from transformers import AutoModelForCausalLM
+
+    backend, dtype = setting
+    hf = AutoModelForCausalLM.from_pretrained(f"{ZOO}/target", dtype=dtype).to("cuda").eval()
+    runner = ModelRunner(load_model(f"{ZOO}/target", device="cuda", dtype=dtype), num_pages=1024, backend=backend)
+    assert type(runner.attn).__name__.lower().startswith(backend)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 2048, (n,), generator=g) for n in (5, 33, 70)]
+    ours = runner.extend([0, 1, 2], prompts).logits                                    # [T, V]
+    with torch.inference_mode():
+        theirs = torch.cat([hf(p[None].cuda()).logits[0] for p in prompts])           # [T, V]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(ours.float(), theirs.float(), **tol)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def plain(request):
+    """(backend, the loaded target engine, its plain greedy outputs)."""
+    backend, dtype = request.param
+    engine = SpecEngine(f"{ZOO}/target", device="cuda", dtype=dtype, backend=backend)
+    return backend, engine, [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_is_lossless(plain, drafter, tree):
+    backend, target, baseline = plain
+    engine = SpecEngine(target.model, DRAFTERS[drafter], TREES[tree], {"type": "greedy"},
+                        tokenizer=target.tokenizer, backend=backend)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == baseline
+    if drafter != "ngram":
+        assert max(max(o.accept_lengths) for o in outs) > 1, "the shipped drafter never got a draft accepted"
+
+
+@pytest.mark.parametrize("setting", BACKENDS)
+def test_medusa_static_tree_is_lossless(setting):
+    backend, dtype = setting
+    params = GREEDY[:2]
+    plain = SpecEngine(f"{ZOO}/target", device="cuda", dtype=dtype, backend=backend).generate(PROMPTS[:2], params)
+    engine = SpecEngine(f"{ZOO}/target", {"type": "medusa", "path": f"{ZOO}/medusa"},
+                        {"type": "static", "preset": "medusa_63"}, {"type": "greedy"},
+                        device="cuda", dtype=dtype, backend=backend)
+    assert [o.token_ids for o in engine.generate(PROMPTS[:2], params)] == [o.token_ids for o in plain]
