@@ -68,7 +68,7 @@ class SpecEngine:
             self.tokenizer = tokenizer or load_tokenizer(target)
         self.runner = ModelRunner(self.model, num_pages=max(1, kv_cache_tokens // page_size),
                                   page_size=page_size, backend=backend)
-        graphable = hasattr(self.runner.attn, "graph_inputs")
+        graphable = self.runner.attn.supports_graphs
         if cuda_graphs and not graphable:
             raise ConfigError(f"cuda_graphs: the {type(self.runner.attn).__name__} cannot be replayed from "
                               f"CUDA graphs yet; use backend: torch or cuda_graphs: false")

@@ -51,14 +51,16 @@ class ForwardBatch:
 
 
 class AttentionBackend(Protocol):
-    """``plan`` once per forward (host-side work), then ``forward`` per layer. With
-    ``static=True`` a backend that supports CUDA graphs plans tensors of one layout whatever the
-    batch holds and leaves them in the attributes named by ``graph_inputs``, so a graph can copy
-    them into its static buffers and replay (specflow.runtime.cuda_graph)."""
+    """``plan`` once per forward (host-side work), then ``forward`` per layer.
 
-    graph_inputs: tuple[str, ...]
+    A backend with ``supports_graphs`` also plans for CUDA graphs (specflow.runtime.cuda_graph):
+    ``plan(batch, graph=state)`` takes the state dict of one captured graph (empty at first), keeps
+    in it the device tensors ``forward`` reads, and writes every later plan for that graph into
+    those same tensors in place, so a replay reads the new batch's metadata."""
 
-    def plan(self, batch: ForwardBatch, static: bool = False) -> None: ...
+    supports_graphs: bool
+
+    def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
@@ -66,13 +68,13 @@ class TorchBackend:
     """Portable reference backend (CPU and CUDA, any mask): pad the batch to ``[B, max_q]``
     queries over ``[B, max_kv]`` gathered keys and call scaled_dot_product_attention."""
 
-    graph_inputs = ("kv_index", "mask", "slot_mapping")  # planned tensors a CUDA graph replays from
+    supports_graphs = True
 
     def __init__(self, cache: PagedKVCache, sliding_window: int | None = None):
         self.cache = cache
         self.sliding_window = sliding_window
 
-    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
+    def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None:
         device = self.cache.k.device
         b, max_kv = batch.kv_index.shape
         max_q = max(batch.qo_lens)
@@ -98,7 +100,7 @@ class TorchBackend:
         mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
         self.kv_index = batch.kv_index.to(device)                                      # [B, max_kv]
-        if mask.all() and not static:  # every key visible (e.g. one request decoding): no mask at all
+        if mask.all() and graph is None:  # every key visible (e.g. one request decoding): no mask at all
             self.mask = None
         else:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
             bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf")))
@@ -106,6 +108,12 @@ class TorchBackend:
         self.q_rows = torch.from_numpy(np.flatnonzero(new)).to(device)                 # [T] padded row of each token
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
         self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
+        if graph is not None:  # a graph replays from the same tensors: write into them in place
+            for name in ("kv_index", "mask", "slot_mapping"):
+                new, static = getattr(self, name), graph.setdefault(name, getattr(self, name))
+                if static is not new:
+                    static.copy_(new)
+                setattr(self, name, static)
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the cache first."""

@@ -42,7 +42,7 @@ def kv_bucket(kv_len: int, smallest: int = 128) -> int:
 class _Graph:
     input_ids: Tensor        # [Bc * N]
     positions: Tensor        # [Bc * N]
-    planned: dict[str, Tensor]  # the attention's planned tensors, static copies
+    attn_state: dict            # the attention backend's tensors for this graph (see AttentionBackend)
     inputs: dict[str, Tensor]   # extra model inputs (EAGLE's features), [Bc * N, ...] each
     hidden: Tensor | None = None
     taps: list[Tensor] | None = None
@@ -85,15 +85,11 @@ class GraphRunner:
             batch.prefix_lens + [0] * pad, batch.qo_lens + [n] * pad,
             torch.cat([batch.positions.cpu(), torch.zeros(pad * n, dtype=torch.long)]),
             batch.tree_masks + [None] * pad, kv_width=width)
-        attn = self.runner.attn
-        attn.plan(padded, static=True)
         key = (size, n, width, taps, tuple(inputs))
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._new_graph(size * n, attn, inputs)
-        for name, static in g.planned.items():
-            static.copy_(getattr(attn, name))
-            setattr(attn, name, static)
+            g = self.graphs[key] = self._new_graph(size * n, inputs)
+        self.runner.attn.plan(padded, graph=g.attn_state)
         t = b * n
         g.input_ids.zero_()[:t].copy_(input_ids)
         g.positions.copy_(padded.positions)
@@ -107,11 +103,10 @@ class GraphRunner:
             g.hidden, g.taps = self._run(g, taps)
         return g.hidden[:t].clone(), [x[:t].clone() for x in g.taps]
 
-    def _new_graph(self, num_tokens: int, attn, inputs: dict[str, Tensor]) -> _Graph:
+    def _new_graph(self, num_tokens: int, inputs: dict[str, Tensor]) -> _Graph:
         device = self.runner.device
-        planned = {name: getattr(attn, name).clone() for name in attn.graph_inputs}
         return _Graph(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                      torch.zeros(num_tokens, dtype=torch.long, device=device), planned,
+                      torch.zeros(num_tokens, dtype=torch.long, device=device), {},
                       {name: x.new_zeros(num_tokens, *x.shape[1:]) for name, x in inputs.items()})
 
     def _run(self, g: _Graph, taps: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:

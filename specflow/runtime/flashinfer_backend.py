@@ -122,6 +122,8 @@ class FlashinferBackend:
     the first layer's ``forward`` of each batch, because the query head count arrives with q.
     """
 
+    supports_graphs = False  # graph-mode wrappers (use_cuda_graph=True) are not wired yet
+
     def __init__(self, cache: PagedKVCache, sliding_window: int | None = None):
         if (reason := _unsupported(cache)) is not None:
             raise ValueError(f"FlashinferBackend: {reason}; use backend 'torch' instead")
@@ -136,7 +138,7 @@ class FlashinferBackend:
         self.wrapper = None
         self.plan_args: dict | None = None
 
-    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
+    def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None:
         device, dtype = self.cache.k.device, self.cache.k.dtype
         indptr, indices, last_page_len = page_table(self.cache, batch)
         trees = any(m is not None for m in batch.tree_masks)

@@ -42,7 +42,7 @@ class RuntimeOptions:
         """A runner for ``model``; expansions of up to ``max_tokens_per_request`` nodes per
         request replay from graphs when ``cuda_graphs`` is on and the backend supports them."""
         runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, backend=self.backend)
-        if self.cuda_graphs and hasattr(runner.attn, "graph_inputs"):
+        if self.cuda_graphs and runner.attn.supports_graphs:
             runner.enable_graphs(self.max_batch_size, max_tokens_per_request)
         return runner
 

@@ -39,7 +39,7 @@ def test_custom_mask_is_the_torch_backends_mask(page_size, seed, window, prefix_
     sizes = [data.draw(st.integers(1, 12)) for _ in prefix_lens]
     batch = tree_batch(cache, prefix_lens, sizes, g)
     oracle = TorchBackend(cache, sliding_window=window)
-    oracle.plan(batch, static=True)  # always a mask tensor
+    oracle.plan(batch, graph={})  # a graph plan always keeps the mask tensor
     visible = oracle.mask[:, 0] == 0                                                   # [B, max_q, max_kv]
     flat, start = custom_mask(batch, window), 0
     for r, (p, n) in enumerate(zip(prefix_lens, sizes)):
