@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One phase of a GPU session on the offline H200, from the repo root, each under the device's
+# 10-minute limit per command; results and logs go to $OUT (default ./gpu-out):
+#
+#   bash bench/gpu/session.sh test     # set up (.wheels carried along), then `pytest -m gpu`
+#   bash bench/gpu/session.sh bench1   # decode_roofline + verify_step at the real (8B) shape
+#   bash bench/gpu/session.sh bench2   # spec_step + tiny_family
+#
+# Copy $OUT/*.json to bench/results/ and commit them. Extra pytest / benchmark arguments follow
+# the phase (e.g. `test -k flashinfer`, `bench1 --backend flashinfer`).
+set -uo pipefail
+phase=${1:?usage: session.sh test|bench1|bench2 [args...]}
+shift
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+SECONDS=0
+bash bench/gpu/setup_device.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+tail -1 "$OUT/setup.log"
+. .venv/bin/activate
+export TOKENIZERS_PARALLELISM=false
+echo "setup: ${SECONDS}s"
+
+bench() {  # name, time limit in seconds, extra args
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" python "bench/gpu/$name.py" --out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name rc=$? $((SECONDS - start))s"
+    grep -v 'Loading weights' "$OUT/$name.log" | tail -15
+}
+
+case $phase in
+    test)
+        timeout 480 python -m pytest -m gpu -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/test-gpu.log" | tail -40 ;;
+    bench1)
+        bench decode_roofline 300 "$@"
+        bench verify_step 150 "$@" ;;
+    bench2)
+        bench spec_step 240 "$@"
+        bench tiny_family 200 "$@" ;;
+    *)
+        echo "unknown phase '$phase': test, bench1 or bench2" >&2
+        exit 2 ;;
+esac
+echo "total: ${SECONDS}s"
