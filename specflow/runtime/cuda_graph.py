@@ -1,10 +1,10 @@
 """CUDA graphs for fixed-shape forwards: decode (1 token per request) and tree verification
 (N nodes per request), padded to captured batch sizes.
 
-A graph is keyed by ``(batch size, tokens per request, KV width, taps)``. Each call pads the
-batch with dummy requests up to the captured batch size and the KV width up to a bucket, plans
-the attention for the padded batch, copies every planned tensor and input into the graph's
-static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
+A graph is keyed by ``(batch size, tokens per request, KV width, taps, extra inputs)``. Each call
+pads the batch with dummy requests up to the captured batch size and the KV width up to a
+bucket, plans the attention for the padded batch into the graph's own buffers (the backend's
+``plan(batch, graph=state)``), copies the inputs into the graph's static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
 own scratch page, a causal mask over their own tokens), so nothing a padded row computes reaches
 a real request: they read and write only the reserved padding page, and real rows never see it.
 
@@ -40,10 +40,10 @@ def kv_bucket(kv_len: int, smallest: int = 128) -> int:
 
 @dataclass
 class _Graph:
-    input_ids: Tensor        # [Bc * N]
-    positions: Tensor        # [Bc * N]
-    attn_state: dict            # the attention backend's tensors for this graph (see AttentionBackend)
-    inputs: dict[str, Tensor]   # extra model inputs (EAGLE's features), [Bc * N, ...] each
+    input_ids: Tensor          # [Bc * N]
+    positions: Tensor          # [Bc * N]
+    attn_state: dict           # the attention backend's tensors for this graph (see AttentionBackend)
+    inputs: dict[str, Tensor]  # extra model inputs (EAGLE's features), [Bc * N, ...] each
     hidden: Tensor | None = None
     taps: list[Tensor] | None = None
     graph: torch.cuda.CUDAGraph | None = None
