@@ -11,7 +11,7 @@ level by level lets each node see only its ancestors. Plain decode is qo_len = 1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Hashable, Protocol
 
 import numpy as np
 import torch
@@ -60,6 +60,8 @@ class AttentionBackend(Protocol):
 
     supports_graphs: bool
 
+    def graph_key(self, batch: ForwardBatch) -> Hashable:
+        """What a graph captured for ``batch`` depends on beyond its shapes (e.g. which kernel)."""
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
@@ -70,9 +72,12 @@ class TorchBackend:
 
     supports_graphs = True
 
-    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None):
-        self.cache = cache
+    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None, num_qo_heads: int | None = None):
+        self.cache = cache  # (num_qo_heads: unused here, q carries it; one constructor for every backend)
         self.sliding_window = sliding_window
+
+    def graph_key(self, batch: ForwardBatch) -> Hashable:
+        return None  # one code path for every batch of a shape
 
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None:
         device = self.cache.k.device
@@ -134,10 +139,11 @@ class TorchBackend:
         return out if self.unpadded else out.index_select(0, self.q_rows)  # [T, Hq, D]
 
 
-def auto_backend(cache: PagedKVCache, sliding_window: int | None = None) -> AttentionBackend:
+def auto_backend(cache: PagedKVCache, sliding_window: int | None = None,
+                 num_qo_heads: int | None = None) -> AttentionBackend:
     """flashinfer when CUDA and flashinfer are there and the cache suits it (fp16/bf16, head_dim
     64..512), the portable torch backend otherwise."""
-    return (FlashinferBackend if flashinfer_supports(cache) else TorchBackend)(cache, sliding_window)
+    return (FlashinferBackend if flashinfer_supports(cache) else TorchBackend)(cache, sliding_window, num_qo_heads)
 
 
 BACKENDS = {"torch": TorchBackend, "flashinfer": FlashinferBackend, "auto": auto_backend}

@@ -1,10 +1,11 @@
 """CUDA graphs for fixed-shape forwards: decode (1 token per request) and tree verification
 (N nodes per request), padded to captured batch sizes.
 
-A graph is keyed by ``(batch size, tokens per request, KV width, taps, extra inputs)``. Each call
-pads the batch with dummy requests up to the captured batch size and the KV width up to a
-bucket, plans the attention for the padded batch into the graph's own buffers (the backend's
-``plan(batch, graph=state)``), copies the inputs into the graph's static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
+A graph is keyed by ``(batch size, tokens per request, KV width, taps, extra inputs, the
+backend's graph_key)``. Each call pads the batch with dummy requests up to the captured batch
+size and the KV width up to a bucket, plans the attention for the padded batch into the graph's
+own buffers (the backend's ``plan(batch, graph=state)``), copies the inputs into the graph's
+static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
 own scratch page, a causal mask over their own tokens), so nothing a padded row computes reaches
 a real request: they read and write only the reserved padding page, and real rows never see it.
 
@@ -85,7 +86,7 @@ class GraphRunner:
             batch.prefix_lens + [0] * pad, batch.qo_lens + [n] * pad,
             torch.cat([batch.positions.cpu(), torch.zeros(pad * n, dtype=torch.long)]),
             batch.tree_masks + [None] * pad, kv_width=width)
-        key = (size, n, width, taps, tuple(inputs))
+        key = (size, n, width, taps, tuple(inputs), self.runner.attn.graph_key(padded))
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._new_graph(size * n, inputs)

@@ -16,13 +16,37 @@ its first pick, so a causal first plan (fa3 on Hopper) would break a later tree 
 masks go to ``plan`` as a flat bool tensor (plan packs it; ``packed_custom_mask`` alone is
 unreliable for batch > 1). flashinfer's kernels exist for fp16 / bf16 and head_dim 64, 128, 256,
 512 only; ``flashinfer_supports`` says whether a cache qualifies.
+
+CUDA graphs (``plan(batch, graph=state)``, see specflow.runtime.cuda_graph): ``plan`` is host work
+and cannot be captured, so every graph owns a wrapper built with ``use_cuda_graph=True`` over
+fixed device buffers; each later ``plan`` for that graph rewrites those buffers in place (the
+wrapper's own graph-mode ``plan`` does the ``copy_``), and the replay reads them. The graph
+runner pads every batch of one graph to the same shape: B requests, N tokens each, and a KV
+index W wide, so a request's KV length is at most W and its page count at most
+ceil(W / page_size). A dummy request (padding) is an ordinary row here: its page-table entries
+are its own reserved page, its mask row is causal over its own N tokens (never empty), and its
+K/V goes to that page only. The buffers:
+
+- decode (``uses_decode_kernel``): ``paged_kv_indptr_buffer`` [B + 1], ``paged_kv_indices_buffer``
+  [B * ceil(W / page_size)], ``paged_kv_last_page_len_buffer`` [B] (int32);
+- prefill (tree verification, multi-token expansions): ``qo_indptr_buf``, ``paged_kv_indptr_buf``,
+  ``mask_indptr_buf`` [B + 1], ``paged_kv_last_page_len_buf`` [B], ``paged_kv_indices_buf``
+  [B * ceil(W / page_size)] (int32), and ``custom_mask_buf`` [B * ceil(N * W / 8)] (uint8): plan
+  packs request r's [N, kv_len_r] bool mask into ceil(N * kv_len_r / 8) bytes (segment_packbits,
+  little bit order) and kv_len_r <= W.
+
+A graph-mode prefill wrapper given ``custom_mask_buf`` always runs with the custom mask (its
+``run`` checks only that the buffer exists), so every plan of such a graph passes a mask, causal
+batches and padding rows included. Which wrapper a graph gets is fixed at its first plan; a
+decode graph cannot serve a later batch that needs a mask, so graphs are best keyed on
+``uses_decode_kernel`` too.
 """
 
 from __future__ import annotations
 
 import functools
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 import torch
@@ -116,57 +140,138 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None) -> Tenso
 class FlashinferBackend:
     """flashinfer attention over the paged cache (CUDA, fp16/bf16).
 
-    Pure decode batches (every qo_len 1, no tree mask) run the decode wrapper; prefill / extend
+    Decode batches (``uses_decode_kernel``) run the decode wrapper; prefill / extend
     runs the prefill wrapper with a causal mask; tree verification (or a sliding window over
-    positions that are not token indices) runs it with a custom mask. The wrapper is planned at
-    the first layer's ``forward`` of each batch, because the query head count arrives with q.
+    positions that are not token indices) runs it with a custom mask. ``num_qo_heads`` lets
+    ``plan`` plan the wrapper at once; without it the wrapper is planned at the first layer's
+    ``forward`` (the head count arrives with q) and CUDA graphs are off, because a graph must
+    be planned before its first forward is captured.
     """
 
-    supports_graphs = False  # graph-mode wrappers (use_cuda_graph=True) are not wired yet
+    supports_graphs = True
 
-    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None):
+    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None, *,
+                 num_qo_heads: int | None = None):
         if (reason := _unsupported(cache)) is not None:
             raise ValueError(f"FlashinferBackend: {reason}; use backend 'torch' instead")
         import flashinfer
 
+        self.flashinfer = flashinfer
         self.cache = cache
         self.sliding_window = sliding_window
-        # one split-k scratch buffer shared by both wrappers: a forward runs only one of them
+        self.num_qo_heads = num_qo_heads
+        if num_qo_heads is None:
+            self.supports_graphs = False
+        # one split-k scratch buffer shared by every wrapper, graphs' included: forwards run one at a time
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.k.device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.wrapper = None
         self.plan_args: dict | None = None
 
+    def graph_key(self, batch: ForwardBatch) -> Hashable:
+        return self.uses_decode_kernel(batch)  # a decode graph never replays a masked batch
+
+    def uses_decode_kernel(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` runs the decode wrapper: one token per request, no window over tree
+        positions, and no tree mask that hides a key (a one-token node that sees every earlier
+        node, like a chain's next node, is plain decode)."""
+        return (all(q == 1 for q in batch.qo_lens) and not self._window_on_positions(batch)
+                and all(m is None or bool(m.all()) for m in batch.tree_masks))
+
+    def _window_on_positions(self, batch: ForwardBatch) -> bool:
+        return self.sliding_window is not None and not positions_are_indices(batch)
+
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None:
-        device, dtype = self.cache.k.device, self.cache.k.dtype
-        indptr, indices, last_page_len = page_table(self.cache, batch)
-        trees = any(m is not None for m in batch.tree_masks)
-        window_on_positions = self.sliding_window is not None and not positions_are_indices(batch)
-        mask = None
-        if trees or window_on_positions:  # the window goes into the mask itself
-            mask = custom_mask(batch, self.sliding_window).to(device)
-        window_left = -1 if self.sliding_window is None or mask is not None else self.sliding_window - 1
-        args = dict(num_kv_heads=self.cache.k.shape[2], page_size=self.cache.page_size,
-                    window_left=window_left, q_data_type=dtype, kv_data_type=dtype)
-        if mask is None and all(q == 1 for q in batch.qo_lens):
-            self.wrapper = self.decode
-            self.plan_args = dict(indptr=indptr, indices=indices, last_page_len=last_page_len,
-                                  head_dim=self.cache.k.shape[3], **args)
+        # the window goes into the mask itself when positions are not indices
+        needs_mask = any(m is not None for m in batch.tree_masks) or self._window_on_positions(batch)
+        decode = self.uses_decode_kernel(batch)
+        if graph is not None:
+            if self.num_qo_heads is None:
+                raise ValueError("FlashinferBackend: CUDA graphs need num_qo_heads at construction "
+                                 "(a graph is planned before its first forward)")
+            if not graph:
+                graph.update(self._graph_state(batch, decode))
+            self._check_graph(graph, batch, decode)
+            decode = graph["decode"]
+        args = self._decode_args(batch) if decode else self._prefill_args(batch, graph is not None or needs_mask)
+        if graph is None:
+            self.wrapper = self.decode if decode else self.prefill
+            self.slot_mapping = batch.slot_mapping.to(self.cache.k.device)             # [T]
+        else:  # the replay reads the graph's tensors: write into them, never rebind
+            if not decode:  # fa2 then sizes its query tiles for N rows, not for the ragged worst case
+                args["uniform_q_len"] = batch.qo_lens[0]
+            self.wrapper = graph["wrapper"]
+            self.slot_mapping = graph["slot_mapping"].copy_(batch.slot_mapping)         # [B * N]
+        if self.num_qo_heads is None:  # planned at the first layer's forward
+            self.plan_args = args
         else:
-            self.wrapper = self.prefill
-            qo_indptr = torch.from_numpy(np.cumsum([0, *batch.qo_lens], dtype=np.int32))  # [B + 1]
-            self.plan_args = dict(qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=indices,
-                                  paged_kv_last_page_len=last_page_len, head_dim_qk=self.cache.k.shape[3],
-                                  custom_mask=mask, causal=mask is None, **args)
-        self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
+            self.wrapper.plan(num_qo_heads=self.num_qo_heads, **args)
+            self.plan_args = None
+
+    def _common_args(self) -> dict:
+        dtype = self.cache.k.dtype
+        return dict(num_kv_heads=self.cache.k.shape[2], page_size=self.cache.page_size,
+                    q_data_type=dtype, kv_data_type=dtype)
+
+    def _decode_args(self, batch: ForwardBatch) -> dict:
+        indptr, indices, last_page_len = page_table(self.cache, batch)
+        window_left = -1 if self.sliding_window is None else self.sliding_window - 1
+        return dict(indptr=indptr, indices=indices, last_page_len=last_page_len, head_dim=self.cache.k.shape[3],
+                    window_left=window_left, **self._common_args())
+
+    def _prefill_args(self, batch: ForwardBatch, masked: bool) -> dict:
+        indptr, indices, last_page_len = page_table(self.cache, batch)
+        qo_indptr = torch.from_numpy(np.cumsum([0, *batch.qo_lens], dtype=np.int32))    # [B + 1]
+        mask = custom_mask(batch, self.sliding_window).to(self.cache.k.device) if masked else None
+        window_left = -1 if self.sliding_window is None or masked else self.sliding_window - 1
+        return dict(qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=indices,
+                    paged_kv_last_page_len=last_page_len, head_dim_qk=self.cache.k.shape[3],
+                    custom_mask=mask, causal=not masked, window_left=window_left, **self._common_args())
+
+    def _graph_state(self, batch: ForwardBatch, decode: bool) -> dict:
+        """A graph's own wrapper over fixed buffers sized for its padded shape (module docstring),
+        and its static slot mapping."""
+        device = self.cache.k.device
+        b, n, width = len(batch.request_ids), batch.qo_lens[0], batch.kv_index.shape[1]
+        max_pages = b * -(-width // self.cache.page_size)  # each request's KV length is at most W
+
+        def ints(size: int) -> Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
+        fi = self.flashinfer
+        if decode:
+            buffers = dict(paged_kv_indptr_buffer=ints(b + 1), paged_kv_indices_buffer=ints(max_pages),
+                           paged_kv_last_page_len_buffer=ints(b))
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True,
+                                                            backend="fa2", **buffers)
+        else:
+            mask_bytes = b * -(-n * width // 8)  # request r packs N * kv_len_r <= N * W bits
+            buffers = dict(qo_indptr_buf=ints(b + 1), paged_kv_indptr_buf=ints(b + 1),
+                           paged_kv_indices_buf=ints(max_pages), paged_kv_last_page_len_buf=ints(b),
+                           custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=device),
+                           mask_indptr_buf=ints(b + 1))
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True,
+                                                             backend="fa2", **buffers)
+        return dict(shape=(b, n, width), decode=decode, wrapper=wrapper, buffers=buffers,
+                    slot_mapping=torch.zeros(b * n, dtype=torch.long, device=device))
+
+    @staticmethod
+    def _check_graph(graph: dict, batch: ForwardBatch, decode: bool) -> None:
+        shape = (len(batch.request_ids), batch.qo_lens[0], batch.kv_index.shape[1])
+        assert all(q == shape[1] for q in batch.qo_lens), "a graph's batch sends N tokens per request"
+        assert graph["shape"] == shape, f"graph planned for (B, N, W) = {graph['shape']}, got {shape}"
+        if graph["decode"] and not decode:
+            raise ValueError("FlashinferBackend: this CUDA graph was captured with the decode kernel, which "
+                             "cannot apply a tree mask or a window over tree positions; key graphs on "
+                             "uses_decode_kernel(batch) as well")
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the cache first."""
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
-        if self.plan_args is not None:  # first layer of this batch
+        if self.plan_args is not None:  # first layer of this batch, planned lazily
             self.wrapper.plan(num_qo_heads=q.shape[1], **self.plan_args)
             self.plan_args = None
         pages = (-1, self.cache.page_size, *k_pool.shape[1:])                          # [pages, page_size, Hkv, D]

@@ -75,7 +75,8 @@ class ModelRunner:
                                   num_pages, page_size, dtype=param.dtype, device=param.device)
         if backend not in BACKENDS:
             raise ValueError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
-        self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window)
+        self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window,
+                                      num_qo_heads=cfg.num_attention_heads)
         self.graphs: GraphRunner | None = None
 
     def enable_graphs(self, max_batch_size: int, max_tokens_per_request: int) -> None:
