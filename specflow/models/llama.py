@@ -15,14 +15,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specflow.models.config import ModelConfig
-from specflow.models.rope import RotaryEmbedding, apply_rotary
+from specflow.models.kernels import rms_norm, rope
+from specflow.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from specflow.runtime.attention import AttentionBackend
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back before the weight (as transformers does)."""
+    """RMSNorm over the last dim (``kernels.rms_norm``: as transformers on CPU, flashinfer on CUDA)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -30,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # no casts: one kernel, weight included
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -62,7 +60,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope(q, k, cos, sin)
         out = attn.forward(self.layer_idx, q, k, v)                     # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1))                          # [T, H]
 
