@@ -1,0 +1,75 @@
+"""RMSNorm and RoPE for the Llama layers: flashinfer kernels on CUDA, the torch code elsewhere.
+
+Each function takes flashinfer's kernel (flashinfer-python 0.7.2.post1) when its input is a CUDA
+fp16 / bf16 tensor, autograd is off (the kernels have no backward: head training keeps torch) and
+flashinfer imports; otherwise the torch code, which equals transformers bit for bit. On the CPU the
+dispatch costs one ``is_cuda`` check.
+
+How the fast path differs numerically (both within ~1 bf16 ulp of the torch path):
+
+- ``rms_norm``: ``flashinfer.rmsnorm`` keeps ``x * rsqrt(mean(x^2) + eps) * weight`` in float32 and
+  rounds once; transformers rounds the normed x to the model dtype, then multiplies by the weight.
+- ``rope``: ``apply_rope_with_cos_sin_cache_inplace`` over a float32 table of this forward's own
+  cos/sin rows (row t for token t), so every rope scaling (linear, llama3) and arbitrary per-token
+  positions (tree depths) come out as in transformers; the rotation is float32, rounded once.
+  ``apply_rope_pos_ids`` / ``apply_llama31_rope_pos_ids`` are not used: they compute frequencies and
+  angles in the kernel with ``__powf`` / ``__sincosf`` (fast-math, inexact at large angles).
+
+Not here: ``silu_and_mul`` wants gate and up in one ``[T, 2I]`` tensor, and the MLP keeps the
+checkpoint's separate ``gate_proj`` / ``up_proj``; a ``torch.cat`` first moves more bytes (cat 4I +
+kernel 3I) than the fusion saves (silu 2I + mul 3I). ``fused_add_rmsnorm`` overwrites the residual
+stream in place, which the layer taps hold, so it needs a different decoder-layer loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specflow.models.rope import apply_rotary
+from specflow.runtime.flashinfer_backend import flashinfer_available
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # flashinfer's norm / rope kernels exist for these only
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x ``[..., D]`` with weight ``[D]`` (flashinfer on CUDA)."""
+    if x.is_cuda and _fast(x) and weight.dtype == x.dtype and x.dim() in (2, 3):
+        return _flashinfer().rmsnorm(x, weight, eps)   # [T, D] rows, or [T, H, D] per head
+    return torch_rms_norm(x, weight, eps)
+
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32, cast back before the weight (as transformers does)."""
+    if x.dtype == torch.float32:  # no casts: one kernel, weight included
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)  # x * rsqrt(mean(x^2) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by cos/sin ``[T, D]`` (rotate-half, as
+    ``apply_rotary``). May overwrite q and k: use the returned tensors."""
+    if q.is_cuda and _fast(q):
+        half = cos.shape[-1] // 2                                            # cos/sin repeat their halves
+        cos_sin = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()  # [T, D]: cos | sin
+        rows = torch.arange(q.shape[0], device=q.device)                     # [T] token t reads row t
+        _flashinfer().apply_rope_with_cos_sin_cache_inplace(rows, q, k, q.shape[-1], cos_sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _fast(x: Tensor) -> bool:
+    """Whether a CUDA tensor takes the flashinfer path (callers test ``is_cuda`` first)."""
+    return x.dtype in HALF_DTYPES and not torch.is_grad_enabled() and flashinfer_available()
+
+
+@functools.cache
+def _flashinfer() -> ModuleType:
+    import flashinfer
+
+    return flashinfer
