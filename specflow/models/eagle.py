@@ -101,9 +101,9 @@ class EagleHead(nn.Module):
         assert not taps, "a draft head has no layer taps"
         embeds = self.target_modules[0](input_ids)                        # [T, H]
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], -1))   # [T, 2H] -> [T, H]
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        rotary = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, rotary, attn)
         return x, []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ from specflow.models.config import CheckpointError, ModelConfig
 from specflow.models.eagle import head_attention, head_config
 from specflow.models.head_io import Format, assign_state, check_fits, read_head, write_head
 from specflow.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
-from specflow.models.rope import RotaryEmbedding
+from specflow.models.rope import Rotary, RotaryEmbedding
 
 if TYPE_CHECKING:
     from specflow.runtime.attention import AttentionBackend
@@ -73,10 +73,9 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                attn: AttentionBackend) -> Tensor:
+    def forward(self, embeds: Tensor, hidden: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [T, 2H]
-        h = hidden + self.self_attn(x, cos, sin, attn)
+        h = hidden + self.self_attn(x, rotary, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -113,8 +112,7 @@ class Eagle3Head(nn.Module):
         assert not taps, "a draft head has no layer taps"
         embeds = self.target_modules[0](input_ids)                   # [T, H]
         hidden = self.project(features.to(embeds.dtype))             # [T, H]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, attn), []
+        return self.midlayer(embeds, hidden, self.rotary_emb(positions, hidden.dtype), attn), []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., H] -> [..., draft vocab]."""

@@ -10,7 +10,7 @@ How the fast path differs numerically (both within ~1 bf16 ulp of the torch path
 - ``rms_norm``: ``flashinfer.rmsnorm`` keeps ``x * rsqrt(mean(x^2) + eps) * weight`` in float32 and
   rounds once; transformers rounds the normed x to the model dtype, then multiplies by the weight.
 - ``rope``: ``apply_rope_with_cos_sin_cache_inplace`` over a float32 table of this forward's own
-  cos/sin rows (row t for token t), so every rope scaling (linear, llama3) and arbitrary per-token
+  cos/sin rows (row t for token t; built once per forward, ``Rotary.cos_sin_cache``), so every rope scaling (linear, llama3) and arbitrary per-token
   positions (tree depths) come out as in transformers; the rotation is float32, rounded once.
   ``apply_rope_pos_ids`` / ``apply_llama31_rope_pos_ids`` are not used: they compute frequencies and
   angles in the kernel with ``__powf`` / ``__sincosf`` (fast-math, inexact at large angles).
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specflow.models.rope import apply_rotary
+from specflow.models.rope import Rotary, apply_rotary
 from specflow.runtime.flashinfer_backend import flashinfer_available
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # flashinfer's norm / rope kernels exist for these only
@@ -51,16 +51,13 @@ def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by cos/sin ``[T, D]`` (rotate-half, as
+def rope(q: Tensor, k: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by the forward's tables (rotate-half, as
     ``apply_rotary``). May overwrite q and k: use the returned tensors."""
     if q.is_cuda and _fast(q):
-        half = cos.shape[-1] // 2                                            # cos/sin repeat their halves
-        cos_sin = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()  # [T, D]: cos | sin
-        rows = torch.arange(q.shape[0], device=q.device)                     # [T] token t reads row t
-        _flashinfer().apply_rope_with_cos_sin_cache_inplace(rows, q, k, q.shape[-1], cos_sin)
+        _flashinfer().apply_rope_with_cos_sin_cache_inplace(rotary.rows, q, k, q.shape[-1], rotary.cos_sin_cache)
         return q, k
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
 
 
 def _fast(x: Tensor) -> bool:

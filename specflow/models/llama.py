@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from specflow.models.config import ModelConfig
 from specflow.models.kernels import rms_norm, rope
-from specflow.models.rope import RotaryEmbedding
+from specflow.models.rope import Rotary, RotaryEmbedding
 
 if TYPE_CHECKING:
     from specflow.runtime.attention import AttentionBackend
@@ -53,14 +53,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, cos, sin)
+        q, k = rope(q, k, rotary)
         out = attn.forward(self.layer_idx, q, k, v)                     # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1))                          # [T, H]
 
@@ -88,8 +88,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -136,12 +136,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"taps {taps} must be layer indices in 0..{num_layers} "
                              f"(this model has {num_layers} layers)")
         h = self.model.embed_tokens(input_ids)                          # [T, H]
-        cos, sin = self.model.rotary_emb(positions, h.dtype)            # [T, D] each
+        rotary = self.model.rotary_emb(positions, h.dtype)              # cos, sin [T, D]
         tapped: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in taps:
                 tapped[i] = h
-            h = layer(h, cos, sin, attn)
+            h = layer(h, rotary, attn)
         h = self.model.norm(h)
         tapped[num_layers] = h
         return h, [tapped[i] for i in taps]

@@ -8,6 +8,9 @@ Frequencies and angles are computed in float32 and only the final cos/sin are ca
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -69,11 +72,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta, rope_scaling),
                              persistent=False)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [T] -> cos, sin [T, D] in ``dtype`` (angles in float32)."""
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> "Rotary":
+        """positions [T] -> the forward's tables, cos and sin [T, D] in ``dtype`` (angles in float32)."""
         freqs = positions[:, None].float() * self.inv_freq.float()   # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                       # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return Rotary(emb.cos().to(dtype), emb.sin().to(dtype))
+
+
+@dataclass
+class Rotary:
+    """One forward's rotary tables, shared by its layers: ``cos`` and ``sin`` [T, D] (unpack as
+    ``cos, sin = rotary``), and flashinfer's inputs built on first use, once per forward."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter((self.cos, self.sin))
+
+    @cached_property
+    def cos_sin_cache(self) -> Tensor:
+        """[T, D] float32: the cos halves, then the sin halves (cos/sin repeat their halves)."""
+        half = self.cos.shape[-1] // 2
+        return torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).float()
+
+    @cached_property
+    def rows(self) -> Tensor:
+        """[T] token t reads row t of ``cos_sin_cache``."""
+        return torch.arange(self.cos.shape[0], device=self.cos.device)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch size
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # no float32 kernel instantiations
+DECODE_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)  # query heads per KV head of the fa2 decode kernels (batch_decode.cu)
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)  # DISPATCH_HEAD_DIM in include/flashinfer/utils.cuh
 
 
@@ -150,7 +151,7 @@ class FlashinferBackend:
 
     supports_graphs = True
 
-    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None, *,
+    def __init__(self, cache: PagedKVCache, sliding_window: int | None = None,
                  num_qo_heads: int | None = None):
         if (reason := _unsupported(cache)) is not None:
             raise ValueError(f"FlashinferBackend: {reason}; use backend 'torch' instead")
@@ -162,6 +163,8 @@ class FlashinferBackend:
         self.num_qo_heads = num_qo_heads
         if num_qo_heads is None:
             self.supports_graphs = False
+        # other GQA group sizes (e.g. Qwen2.5-7B's 7) take the prefill kernel, which has no such limit
+        self.decode_ok = num_qo_heads is None or num_qo_heads // cache.k.shape[2] in DECODE_GROUP_SIZES
         # one split-k scratch buffer shared by every wrapper, graphs' included: forwards run one at a time
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.k.device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
@@ -176,7 +179,7 @@ class FlashinferBackend:
         """Whether ``batch`` runs the decode wrapper: one token per request, no window over tree
         positions, and no tree mask that hides a key (a one-token node that sees every earlier
         node, like a chain's next node, is plain decode)."""
-        return (all(q == 1 for q in batch.qo_lens) and not self._window_on_positions(batch)
+        return (self.decode_ok and all(q == 1 for q in batch.qo_lens) and not self._window_on_positions(batch)
                 and all(m is None or bool(m.all()) for m in batch.tree_masks))
 
     def _window_on_positions(self, batch: ForwardBatch) -> bool:

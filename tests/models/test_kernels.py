@@ -7,7 +7,7 @@ from torch.testing import assert_close
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from specflow.models import LlamaForCausalLM, ModelConfig, kernels
-from specflow.models.rope import RotaryEmbedding, apply_rotary
+from specflow.models.rope import Rotary, RotaryEmbedding, apply_rotary
 from specflow.runtime.flashinfer_backend import flashinfer_available
 from specflow.runtime.model_runner import ModelRunner
 
@@ -52,7 +52,7 @@ def test_rope_on_cpu_equals_transformers(dtype, flashinfer_everywhere):
     q, k = torch.randn(5, 4, 32, generator=g).to(dtype), torch.randn(5, 2, 32, generator=g).to(dtype)
     cos, sin = tables(torch.tensor([0, 3, 3, 4, 9000]), 32, dtype)  # tree nodes share positions
     with torch.inference_mode():
-        ours = kernels.rope(q, k, cos, sin)
+        ours = kernels.rope(q, k, Rotary(cos, sin))
     theirs = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b[0].transpose(0, 1))
@@ -115,7 +115,7 @@ def test_flashinfer_rope(dtype, head_dim, monkeypatch):
     exact = [apply_rotary(x.float(), cos.float(), sin.float()) for x in (q, k)]  # same rounded tables
     reference = [apply_rotary(x, cos, sin) for x in (q, k)]
     with torch.inference_mode():
-        fast = kernels.rope(q.clone(), k.clone(), cos, sin)
+        fast = kernels.rope(q.clone(), k.clone(), Rotary(cos, sin))
     assert calls
     eps = torch.finfo(dtype).eps
     for f, e, r in zip(fast, exact, reference):

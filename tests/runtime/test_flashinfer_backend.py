@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from specflow.models import load_model
 from specflow.runtime import flashinfer_backend
+from specflow.runtime import attention
 from specflow.runtime.attention import ForwardBatch, TorchBackend
 from specflow.runtime.cuda_graph import PAD_REQUEST
 from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask, flashinfer_available,
@@ -109,6 +110,22 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(flashinfer_backend, "_unsupported", lambda cache: None)
     monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 1024)
     return fake
+
+
+def test_auto_picks_flashinfer_when_it_can_serve_the_cache(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(attention, "flashinfer_supports", lambda cache: True)
+    cache = PagedKVCache(1, HKV, D, num_pages=8)
+    backend = attention.BACKENDS["auto"](cache, None, HKV * 4)  # auto hands num_qo_heads on
+    assert isinstance(backend, FlashinferBackend) and backend.num_qo_heads == HKV * 4 and backend.supports_graphs
+
+
+@pytest.mark.parametrize("group,decode", [(1, True), (4, True), (7, False), (5, False), (16, True)])
+def test_group_sizes_without_a_decode_kernel_take_prefill(fake_flashinfer, group, decode):
+    cache = PagedKVCache(1, HKV, D, num_pages=64)
+    backend = FlashinferBackend(cache, num_qo_heads=HKV * group)
+    cache.reserve([0, 1], [5, 3])
+    batch = ForwardBatch.build(cache, [0, 1], [4, 2], [1, 1], torch.tensor([4, 2]))
+    assert backend.uses_decode_kernel(batch) is decode
 
 
 def test_fake_wrappers_take_flashinfers_parameters():
@@ -365,10 +382,9 @@ GRAPH_SHAPES = {(4, 1, 128), (4, 4, 128), (2, 1, 256), (8, 4, 256), (1, 4, 256),
 
 def graph_runners(model, page_size):
     """A plain TorchBackend runner and a FlashinferBackend runner on the padded graph path."""
-    cfg = model.config
     plain = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
     graphed = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size, backend="flashinfer")
-    graphed.attn = FlashinferBackend(graphed.cache, cfg.sliding_window, num_qo_heads=cfg.num_attention_heads)
+    assert graphed.attn.num_qo_heads == model.config.num_attention_heads
     graphed.enable_graphs(max_batch_size=8, max_tokens_per_request=4)
     return plain, graphed
 
