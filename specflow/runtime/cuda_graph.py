@@ -73,19 +73,19 @@ class GraphRunner:
         return n <= self.max_tokens_per_request and len(qo_lens) <= self.sizes[-1] and all(q == n for q in qo_lens)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, input_ids: Tensor, taps: tuple[int, ...],
+    def forward(self, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int], positions: Tensor,
+                tree_masks: list[Tensor | None], input_ids: Tensor, taps: tuple[int, ...],
                 inputs: dict[str, Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """The model's ``(hidden [T, H], taps)`` for ``batch`` (extra token-flat ``inputs``
-        included), through a padded static graph."""
-        b, n = len(batch.request_ids), batch.qo_lens[0]
+        """The model's ``(hidden [T, H], taps)`` for a forward laid out as ``ForwardBatch.build``
+        takes it (pages reserved; extra token-flat ``inputs`` included), through a padded graph."""
+        b, n = len(request_ids), qo_lens[0]
         size = next(s for s in self.sizes if s >= b)
-        width = kv_bucket(batch.kv_index.shape[1])
+        width = kv_bucket(max(p + q for p, q in zip(prefix_lens, qo_lens)))
         pad = size - b
         padded = ForwardBatch.build(
-            self.runner.cache, batch.request_ids + [PAD_REQUEST] * pad,
-            batch.prefix_lens + [0] * pad, batch.qo_lens + [n] * pad,
-            torch.cat([batch.positions.cpu(), torch.zeros(pad * n, dtype=torch.long)]),
-            batch.tree_masks + [None] * pad, kv_width=width)
+            self.runner.cache, request_ids + [PAD_REQUEST] * pad, prefix_lens + [0] * pad, qo_lens + [n] * pad,
+            torch.cat([positions, torch.zeros(pad * n, dtype=torch.long)]), tree_masks + [None] * pad,
+            kv_width=width)
         key = (size, n, width, taps, tuple(inputs), self.runner.attn.graph_key(padded))
         g = self.graphs.get(key)
         if g is None:

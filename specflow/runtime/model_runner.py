@@ -106,13 +106,15 @@ class ModelRunner:
         self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
         if positions is None:
             positions = [range(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
-        batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, token_flat(positions), tree_masks)
+        positions, tree_masks = token_flat(positions), tree_masks or [None] * len(request_ids)
         input_ids = token_flat(token_ids).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
-        if self.graphs is not None and self.graphs.fits(qo_lens):
-            hidden, tapped = self.graphs.forward(batch, input_ids, taps, extra)
+        if self.graphs is not None and self.graphs.fits(qo_lens):  # the graph runner lays out the padded batch
+            hidden, tapped = self.graphs.forward(list(request_ids), prefix_lens, qo_lens, positions, tree_masks,
+                                                 input_ids, taps, extra)
         else:
+            batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, positions, tree_masks)
             self.attn.plan(batch)
             hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)
         for r, p, q in zip(request_ids, prefix_lens, qo_lens):

@@ -7,11 +7,11 @@ import zlib
 
 import torch
 
-from specflow.protocols import TargetFeatures, TargetNeeds
-from specflow.tree import DraftTree, Expansion, Frontier, Roots, Verdict
+from specflow.tree import DraftTree, Expansion, Frontier, Roots
+from tests.stateless import StatelessDrafter
 
 
-class TableDrafter:
+class TableDrafter(StatelessDrafter):
     """Drafter whose child distribution q(. | sequence) is a seeded random function of the sequence
     (the request's context followed by the draft path), computed once per sequence.
 
@@ -21,7 +21,6 @@ class TableDrafter:
     - ``nan_rate``: that fraction of answered log-probs is NaN (a broken drafter).
     """
 
-    needs = TargetNeeds()
 
     def __init__(self, vocab: int, seed: int = 0, ties: bool = False,
                  max_children: int | None = None, min_children: int = 0, nan_rate: float = 0.0):
@@ -45,15 +44,6 @@ class TableDrafter:
             lp = torch.log_softmax(logits, -1) if torch.isfinite(logits).any() else logits
             self._table[seq] = lp
         return self._table[seq]
-
-    def begin(self, features: TargetFeatures) -> None:
-        pass
-
-    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        pass
-
-    def release(self, request_ids: list[int]) -> None:
-        pass
 
     def sequence(self, roots: Roots, tree: DraftTree, b: int, node: int) -> tuple[int, ...]:
         """Context of request b followed by the draft tokens down to ``node`` (root excluded)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.sampling import SamplingBatch, SamplingParams, make_generator, target_probs
-from specflow.tree import DraftTree, Expansion, Frontier, Roots, Verdict
+from specflow.tree import DraftTree, Expansion, Frontier, Roots
+from tests.stateless import StatelessDrafter
 
 START = 0  # every request starts from the context [START]
 
@@ -42,22 +42,12 @@ class PathOracle:
         return self.table[self.node_codes(tree, contexts)]  # [B, N, V]
 
 
-class OracleDrafter:
+class OracleDrafter(StatelessDrafter):
     """A drafter whose q(. | sequence) is softmax of a PathOracle's logits."""
 
-    needs = TargetNeeds()
 
     def __init__(self, oracle: PathOracle):
         self.oracle = oracle
-
-    def begin(self, features: TargetFeatures) -> None:
-        pass
-
-    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        pass
-
-    def release(self, request_ids: list[int]) -> None:
-        pass
 
     def expand(self, frontier: Frontier) -> Expansion:
         codes = self.oracle.node_codes(frontier.tree, frontier.roots.contexts)  # [B, n]
