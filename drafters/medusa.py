@@ -1,7 +1,8 @@
 """Medusa drafter: extra heads on the target's last hidden state predict the tokens after the
 next one (Cai et al., 2024). The heads run once per step, at the root; a node at depth d takes
 its children from head d (the top-k of the distribution of the token at depth d + 1), whatever
-its path. Medusa needs no KV cache of its own."""
+its path. Medusa needs no KV cache of its own. With CUDA graphs on, the heads replay from a graph
+per padded batch size (``RowGraphs``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import Tensor
 from specflow.models.medusa import MedusaHeads, load_medusa
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
-from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.cuda_graph import RowGraphs
+from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
 from specflow.tree import Expansion, Frontier, Verdict
 
 
@@ -29,23 +31,32 @@ class MedusaDrafter:
 
     needs = TargetNeeds(last_hidden=True)
 
-    def __init__(self, heads: MedusaHeads):
+    def __init__(self, heads: MedusaHeads, runtime: RuntimeOptions | None = None):
         self.heads = heads
         self.logprobs: dict[int, Tensor] = {}  # request id -> [num_heads, V] for the current root
+        runtime = runtime or RuntimeOptions()
+        device = next(heads.parameters()).device
+        self.run_heads = RowGraphs(self._logprobs, runtime.max_batch_size, capture=device.type == "cuda") \
+            if runtime.cuda_graphs else self._logprobs
 
     @classmethod
     def from_config(cls, cfg: MedusaConfig, *, target: ModelRunner, device: Any = "cpu",
-                    dtype: Any = torch.float32, **_: Any) -> "MedusaDrafter":
-        return cls(load_medusa(cfg.path, target.model, device=device, dtype=dtype))
+                    dtype: Any = torch.float32, runtime: RuntimeOptions | None = None,
+                    **_: Any) -> "MedusaDrafter":
+        return cls(load_medusa(cfg.path, target.model, device=device, dtype=dtype), runtime)
+
+    def _logprobs(self, last: Tensor) -> Tensor:
+        """[R, H] last hidden states -> [R, num_heads, V] log-probabilities."""
+        return torch.log_softmax(self.heads(last).float(), -1).transpose(0, 1)
 
     @torch.inference_mode()
     def _run_heads(self, features: TargetFeatures) -> None:
         """Run every head on the hidden state of each request's last committed token."""
         assert features.hidden is not None, "the engine must pass the last hidden states (needs.last_hidden)"
         last = torch.stack([h[-1] for h in features.hidden])                   # [R, H]
-        logprobs = torch.log_softmax(self.heads(last).float(), -1)              # [num_heads, R, V]
+        logprobs = self.run_heads(last)                                         # [R, num_heads, V]
         for r, rid in enumerate(features.request_ids):
-            self.logprobs[rid] = logprobs[:, r]
+            self.logprobs[rid] = logprobs[r]
 
     def begin(self, features: TargetFeatures) -> None:
         self._run_heads(features)

@@ -1,13 +1,21 @@
-"""CUDA graphs for fixed-shape forwards: decode (1 token per request) and tree verification
-(N nodes per request), padded to captured batch sizes.
+"""CUDA graphs for fixed-shape forwards: decode (1 token per request), tree verification (N
+nodes per request) and short causal extends (a drafter catching up on accepted tokens), padded
+to captured batch sizes.
 
 A graph is keyed by ``(batch size, tokens per request, KV width, taps, extra inputs, the
 backend's graph_key)``. Each call pads the batch with dummy requests up to the captured batch
 size and the KV width up to a bucket, plans the attention for the padded batch into the graph's
 own buffers (the backend's ``plan(batch, graph=state)``), copies the inputs into the graph's
-static buffers, then replays. Padded rows are rebuilt on every call (token 0, position 0, their
-own scratch page, a causal mask over their own tokens), so nothing a padded row computes reaches
-a real request: they read and write only the reserved padding page, and real rows never see it.
+static buffers, then replays. Padding is rebuilt on every call, so nothing it computes reaches a
+real token:
+
+- dummy requests (token 0, position 0, a causal mask over their own tokens) read and write only
+  the reserved padding page, which real rows never see;
+- in a causal forward whose requests send different numbers of tokens, each request is padded
+  to the graph's N with tokens after its own (token 0, the next logical indices). Its real
+  tokens cannot see them (causal), their K/V lands past the request's end (reserved, and
+  overwritten by the request's next forward before anything reads it), and their outputs are
+  dropped. Tree-masked forwards are never padded this way: every request must send N tokens.
 
 ``capture=False`` runs the very same padded, static-buffer forward eagerly; that is how the CPU
 tests check the padding logic that the GPU then captures.
@@ -16,12 +24,15 @@ tests check the padding logic that the GPU then captures.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specflow.runtime.attention import ForwardBatch
 
+T = TypeVar("T")
 PAD_REQUEST = -1  # cache entry owning the padding page(s) of every graph
 
 
@@ -39,6 +50,12 @@ def kv_bucket(kv_len: int, smallest: int = 128) -> int:
     return width
 
 
+def token_bucket(n: int, largest: int) -> int:
+    """The tokens per request of the graph for a causal forward of up to n: the next power of
+    two >= n, at most ``largest``."""
+    return min(kv_bucket(n, smallest=1), largest)
+
+
 @dataclass
 class _Graph:
     input_ids: Tensor          # [Bc * N]
@@ -53,9 +70,8 @@ class _Graph:
 class GraphRunner:
     """Fixed-shape forwards of a ``ModelRunner``'s model, replayed from CUDA graphs.
 
-    ``fits(qo_lens)`` says whether a forward can run here (every request sends the same number of
-    tokens, at most ``max_tokens_per_request``, and the batch is at most the largest captured
-    size). Graphs are captured lazily, the first time each shape is met.
+    ``tokens_per_request`` says whether a forward can run here, and with how many tokens per
+    request. Graphs are captured lazily, the first time each shape is met.
     """
 
     def __init__(self, runner, max_batch_size: int, max_tokens_per_request: int = 1, capture: bool = True):
@@ -68,41 +84,52 @@ class GraphRunner:
         # the padding rows' own page(s): their K/V is written there and nowhere else
         runner.cache.reserve([PAD_REQUEST], [max_tokens_per_request])
 
-    def fits(self, qo_lens: list[int]) -> bool:
-        n = qo_lens[0]
-        return n <= self.max_tokens_per_request and len(qo_lens) <= self.sizes[-1] and all(q == n for q in qo_lens)
+    def tokens_per_request(self, qo_lens: list[int], tree_masks: list[Tensor | None]) -> int | None:
+        """The N of the graph that runs this forward, or None when it must run eagerly (too many
+        requests or tokens, or a tree-masked forward whose requests send different numbers).
+        A causal forward is padded up to a power of two, so few shapes cover every catch-up."""
+        n = max(qo_lens)
+        if n > self.max_tokens_per_request or len(qo_lens) > self.sizes[-1]:
+            return None
+        if all(m is None for m in tree_masks):
+            return token_bucket(n, self.max_tokens_per_request)
+        return n if all(q == n for q in qo_lens) else None
 
     @torch.inference_mode()
-    def forward(self, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int], positions: Tensor,
-                tree_masks: list[Tensor | None], input_ids: Tensor, taps: tuple[int, ...],
+    def forward(self, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int], n: int,
+                positions: Tensor, tree_masks: list[Tensor | None], input_ids: Tensor, taps: tuple[int, ...],
                 inputs: dict[str, Tensor]) -> tuple[Tensor, list[Tensor]]:
         """The model's ``(hidden [T, H], taps)`` for a forward laid out as ``ForwardBatch.build``
-        takes it (pages reserved; extra token-flat ``inputs`` included), through a padded graph."""
-        b, n = len(request_ids), qo_lens[0]
+        takes it (extra token-flat ``inputs`` included), through a padded graph of ``n`` tokens
+        per request (``tokens_per_request``; pages reserved for n tokens per request)."""
+        b = len(request_ids)
         size = next(s for s in self.sizes if s >= b)
-        width = kv_bucket(max(p + q for p, q in zip(prefix_lens, qo_lens)))
+        width = kv_bucket(max(prefix_lens) + n)
         pad = size - b
+        # row of every real token in the padded layout; each request's padding follows its tokens
+        rows = np.concatenate([np.arange(r * n, r * n + q) for r, q in enumerate(qo_lens)])       # [T]
+        padded_positions = np.arange(size * n) % n + np.repeat(prefix_lens + [0] * pad, n)          # logical indices
+        padded_positions[rows] = positions.numpy()
         padded = ForwardBatch.build(
-            self.runner.cache, request_ids + [PAD_REQUEST] * pad, prefix_lens + [0] * pad, qo_lens + [n] * pad,
-            torch.cat([positions, torch.zeros(pad * n, dtype=torch.long)]), tree_masks + [None] * pad,
-            kv_width=width)
+            self.runner.cache, request_ids + [PAD_REQUEST] * pad, prefix_lens + [0] * pad, [n] * size,
+            torch.from_numpy(padded_positions), tree_masks + [None] * pad, kv_width=width)
         key = (size, n, width, taps, tuple(inputs), self.runner.attn.graph_key(padded))
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._new_graph(size * n, inputs)
         self.runner.attn.plan(padded, graph=g.attn_state)
-        t = b * n
-        g.input_ids.zero_()[:t].copy_(input_ids)
+        rows = torch.from_numpy(rows).to(self.runner.device)
+        g.input_ids.zero_().index_copy_(0, rows, input_ids)
         g.positions.copy_(padded.positions)
         for name, x in inputs.items():
-            g.inputs[name].zero_()[:t].copy_(x)
+            g.inputs[name].zero_().index_copy_(0, rows, x)
         if g.hidden is None:
             self._record(g, taps)
         elif g.graph is not None:
             g.graph.replay()
         else:
             g.hidden, g.taps = self._run(g, taps)
-        return g.hidden[:t].clone(), [x[:t].clone() for x in g.taps]
+        return g.hidden.index_select(0, rows), [x.index_select(0, rows) for x in g.taps]
 
     def _new_graph(self, num_tokens: int, inputs: dict[str, Tensor]) -> _Graph:
         device = self.runner.device
@@ -114,15 +141,55 @@ class GraphRunner:
         return self.runner.model(g.input_ids, g.positions, self.runner.attn, taps, **g.inputs)
 
     def _record(self, g: _Graph, taps: tuple[int, ...]) -> None:
-        if not self.capture:
+        if self.capture:
+            g.graph, (g.hidden, g.taps) = record(lambda: self._run(g, taps), self.pool)
+        else:
             g.hidden, g.taps = self._run(g, taps)
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (allocator, lazy kernels) off the capture
-            self._run(g, taps)
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.hidden, g.taps = self._run(g, taps)
-        g.graph.replay()
+
+
+def record(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``run()`` (which reads and writes static tensors only) into a CUDA graph, after a
+    warm-up on a side stream (allocator, lazy kernels); the graph has run once on return, and
+    ``run()``'s outputs are the tensors every replay overwrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    graph.replay()
+    return graph, outputs
+
+
+class RowGraphs:
+    """A row-wise function (``fn(x)[i]`` depends on ``x[i]`` only; ``[R, ...] -> [R, ...]``), e.g.
+    Medusa's heads over the last hidden states, replayed from a CUDA graph per padded row count
+    (``capture_sizes``). Padding rows are zeros and their outputs are dropped; more rows than the
+    largest size run eagerly. ``capture=False`` runs the same padded static path eagerly."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], max_rows: int, capture: bool = True):
+        self.fn = fn
+        self.sizes = capture_sizes(max_rows)
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[int, tuple] = {}  # size -> (static input, static output, graph); no graph on CPU
+
+    @torch.inference_mode()
+    def __call__(self, x: Tensor) -> Tensor:
+        r = len(x)
+        if r > self.sizes[-1]:
+            return self.fn(x)
+        size = next(s for s in self.sizes if s >= r)
+        if size not in self.graphs:
+            static = x.new_zeros(size, *x.shape[1:])
+            graph, out = record(lambda: self.fn(static), self.pool) if self.capture else (None, None)
+            self.graphs[size] = (static, out, graph)
+        static, out, graph = self.graphs[size]
+        static.zero_()[:r].copy_(x)
+        if graph is None:
+            out = self.fn(static)
+        else:
+            graph.replay()
+        return out[:r].clone()

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from specflow.runtime.attention import BACKENDS, ForwardBatch
 from specflow.runtime.cuda_graph import GraphRunner
-from specflow.runtime.kv_cache import PagedKVCache
+from specflow.runtime.kv_cache import OutOfPages, PagedKVCache
 
 
 @dataclass
@@ -80,9 +80,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
 
     def enable_graphs(self, max_batch_size: int, max_tokens_per_request: int) -> None:
-        """Run fixed-shape forwards (every request sending the same number of tokens, at most
-        ``max_tokens_per_request``) through padded CUDA graphs; on a CPU the same padded static
-        path runs eagerly."""
+        """Run forwards of at most ``max_tokens_per_request`` tokens per request through padded
+        CUDA graphs (see specflow.runtime.cuda_graph); on a CPU the same padded static path runs
+        eagerly."""
         self.graphs = GraphRunner(self, max_batch_size, max_tokens_per_request, capture=self.device.type == "cuda")
 
     def kv_len(self, request_id: int) -> int:
@@ -103,16 +103,17 @@ class ModelRunner:
         """
         qo_lens = [len(t) for t in token_ids]
         prefix_lens = [self.kv_len(r) for r in request_ids]
-        self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
+        tree_masks = tree_masks or [None] * len(request_ids)
+        graph_n = self._reserve(request_ids, prefix_lens, qo_lens, tree_masks)
         if positions is None:
             positions = [range(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
-        positions, tree_masks = token_flat(positions), tree_masks or [None] * len(request_ids)
+        positions = token_flat(positions)
         input_ids = token_flat(token_ids).to(self.device)
         extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
-        if self.graphs is not None and self.graphs.fits(qo_lens):  # the graph runner lays out the padded batch
-            hidden, tapped = self.graphs.forward(list(request_ids), prefix_lens, qo_lens, positions, tree_masks,
-                                                 input_ids, taps, extra)
+        if graph_n is not None:  # the graph runner lays out the padded batch
+            hidden, tapped = self.graphs.forward(list(request_ids), prefix_lens, qo_lens, graph_n, positions,
+                                                 tree_masks, input_ids, taps, extra)
         else:
             batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, positions, tree_masks)
             self.attn.plan(batch)
@@ -128,6 +129,21 @@ class ModelRunner:
         elif logits == "last":
             out_logits = self.model.compute_logits(hidden[[o - 1 for o in offsets[1:]]])
         return ExtendOutput(hidden, list(tapped), out_logits, offsets)
+
+    def _reserve(self, request_ids: list[int], prefix_lens: list[int], qo_lens: list[int],
+                 tree_masks: list[Tensor | None]) -> int | None:
+        """Reserve the pages of a forward; returns the tokens per request of the graph that runs
+        it, or None to run eagerly. A graph may pad requests with tokens past their end; when
+        the pool cannot hold those too, the forward runs eagerly."""
+        n = self.graphs.tokens_per_request(qo_lens, tree_masks) if self.graphs is not None else None
+        if n is not None:
+            try:
+                self.cache.reserve(request_ids, [p + n for p in prefix_lens])
+                return n
+            except OutOfPages:
+                pass
+        self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
+        return None
 
     def commit(self, request_id: int, base: int, keep: list[int]) -> None:
         """Keep the K/V of tree nodes ``keep`` (offsets from logical index ``base``), root first."""

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specflow.engine import SpecEngine
 from specflow.models import load_model
-from specflow.runtime.cuda_graph import PAD_REQUEST, capture_sizes, kv_bucket
+from specflow.runtime.cuda_graph import PAD_REQUEST, RowGraphs, capture_sizes, kv_bucket, token_bucket
 from specflow.runtime.model_runner import ModelRunner
 from specflow.sampling import SamplingParams
 from specflow.tree import ancestor_mask
@@ -21,6 +21,22 @@ def test_capture_sizes_and_buckets():
     assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert capture_sizes(1) == [1]
     assert [kv_bucket(n) for n in (1, 128, 129, 700)] == [128, 128, 256, 1024]
+    assert [token_bucket(n, 48) for n in (1, 2, 3, 5, 33, 48)] == [1, 2, 4, 8, 48, 48]
+
+
+def test_row_graphs_pad_rows_and_drop_them():
+    weight = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def fn(x):  # row-wise; records the padded row counts it runs on
+        calls.append(len(x))
+        return torch.log_softmax(x @ weight, -1)
+
+    graphs = RowGraphs(fn, max_rows=8, capture=False)
+    for rows in (3, 1, 4, 2, 3, 11):
+        x = torch.randn(rows, 6)
+        torch.testing.assert_close(graphs(x), fn(x))
+    assert calls[::2] == [4, 1, 4, 2, 4, 11] and set(graphs.graphs) == {1, 2, 4}  # 11 > 8 rows: eager
 
 
 def cached_kv(runner: ModelRunner, rid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +63,12 @@ def run_steps(plain: ModelRunner, graphed: ModelRunner, seed: int, steps: int = 
         runner.extend(rids, prompts, logits="none")
     for _ in range(steps):
         batch = [r for r in rids if torch.rand((), generator=g) < 0.6] or [0]  # sizes that need padding
+        if torch.rand((), generator=g) < 0.3:  # causal extends of uneven lengths (a drafter's catch-up)
+            tokens = [torch.randint(1, vocab, (int(torch.randint(1, NODES + 1, (), generator=g)),), generator=g)
+                      for _ in batch]
+            outs = [runner.extend(batch, tokens) for runner in (plain, graphed)]
+            torch.testing.assert_close(outs[1].hidden, outs[0].hidden, atol=1e-4, rtol=1e-4)
+            continue
         n = 1 if torch.rand((), generator=g) < 0.5 else NODES
         trees = [random_tree(n, g) for _ in batch]
         tokens = [torch.randint(1, vocab, (n,), generator=g) for _ in batch]
@@ -81,6 +103,7 @@ def test_padded_static_forward_equals_plain(tiny_target, seed, page_size):
     plain, graphed = runners(tiny_target, page_size)
     run_steps(plain, graphed, seed)
     assert graphed.graphs.graphs, "the graph path was never taken"
+    assert {key[1] for key in graphed.graphs.graphs} <= {1, 2, NODES}, "causal extends pad to a power of two"
     assert graphed.cache.block_tables[PAD_REQUEST], "padding rows own their page"
 
 
@@ -108,14 +131,16 @@ def test_captured_graphs_equal_plain_on_cuda(tiny_target):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-@pytest.mark.parametrize("drafter", ["draft", "eagle", "eagle3"])
+@pytest.mark.parametrize("drafter", ["draft", "eagle", "eagle3", "medusa"])
 def test_drafter_expansions_through_graphs_match(drafter, device):
-    """The shipped family: drafter expansions replay from graphs too (on a CPU: the padded
-    static path), with the same greedy output as eager steps."""
+    """The shipped family: drafter expansions (catch-up extends of uneven lengths included) and
+    Medusa's heads replay from graphs too (on a CPU: the padded static path), with the same
+    greedy output as eager steps."""
     zoo = "zoo/tiny-code"
     node = {"draft": {"type": "draft_model", "path": f"{zoo}/draft"},
             "eagle": {"type": "eagle", "path": f"{zoo}/eagle"},
-            "eagle3": {"type": "eagle3", "path": f"{zoo}/eagle3"}}[drafter]
+            "eagle3": {"type": "eagle3", "path": f"{zoo}/eagle3"},
+            "medusa": {"type": "medusa", "path": f"{zoo}/medusa"}}[drafter]
     tree = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
     prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 6)]
@@ -123,4 +148,9 @@ def test_drafter_expansions_through_graphs_match(drafter, device):
                           cuda_graphs=graphs) for graphs in (False, True)]
     outs = [engine.generate(prompts, params) for engine in engines]
     assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
-    assert engines[1].drafter.runner.runner.graphs.graphs, "the drafter's expansions never took the graph path"
+    if drafter == "medusa":
+        assert set(engines[1].drafter.run_heads.graphs) >= {2, 4}, "the heads never took the graph path"
+        return
+    shapes = {key[:2] for key in engines[1].drafter.runner.runner.graphs.graphs}  # (batch size, tokens per request)
+    # tree levels send topk = 4 nodes per request; other sizes are catch-ups of uneven lengths, padded
+    assert any(size > 1 and n not in (1, 4) for size, n in shapes), shapes
