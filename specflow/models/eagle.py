@@ -44,13 +44,7 @@ def head_config(hf: dict) -> ModelConfig:
 
 def head_attention(cfg: ModelConfig, layer_idx: int, in_features: int, qkv_bias: bool = False) -> LlamaAttention:
     """A Llama attention whose q/k/v read ``in_features`` (EAGLE-3: 2H) and may carry a bias."""
-    attn = LlamaAttention(cfg, layer_idx)
-    if in_features != cfg.hidden_size or qkv_bias:
-        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        attn.q_proj = nn.Linear(in_features, q_size, bias=qkv_bias)
-        attn.k_proj = nn.Linear(in_features, kv_size, bias=qkv_bias)
-        attn.v_proj = nn.Linear(in_features, kv_size, bias=qkv_bias)
-    return attn
+    return LlamaAttention(cfg, layer_idx, in_features=in_features, qkv_bias=qkv_bias)
 
 
 class EagleHead(nn.Module):

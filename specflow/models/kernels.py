@@ -1,4 +1,5 @@
-"""RMSNorm and RoPE for the Llama layers: flashinfer kernels on CUDA, the torch code elsewhere.
+"""RMSNorm, RoPE and SwiGLU's activation for the Llama layers: flashinfer kernels on CUDA, the
+torch code elsewhere.
 
 Each function takes flashinfer's kernel (flashinfer-python 0.7.2.post1) when its input is a CUDA
 fp16 / bf16 tensor, autograd is off (the kernels have no backward: head training keeps torch) and
@@ -14,11 +15,11 @@ How the fast path differs numerically (both within ~1 bf16 ulp of the torch path
   positions (tree depths) come out as in transformers; the rotation is float32, rounded once.
   ``apply_rope_pos_ids`` / ``apply_llama31_rope_pos_ids`` are not used: they compute frequencies and
   angles in the kernel with ``__powf`` / ``__sincosf`` (fast-math, inexact at large angles).
+- ``silu_and_mul``: ``flashinfer.silu_and_mul`` over the packed gate|up output computes the SiLU in
+  float32 and rounds once; torch rounds silu(gate) before the product.
 
-Not here: ``silu_and_mul`` wants gate and up in one ``[T, 2I]`` tensor, and the MLP keeps the
-checkpoint's separate ``gate_proj`` / ``up_proj``; a ``torch.cat`` first moves more bytes (cat 4I +
-kernel 3I) than the fusion saves (silu 2I + mul 3I). ``fused_add_rmsnorm`` overwrites the residual
-stream in place, which the layer taps hold, so it needs a different decoder-layer loop.
+Not here: ``fused_add_rmsnorm`` overwrites the residual stream in place, which the layer taps
+hold, so it needs a different decoder-layer loop.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def rope(q: Tensor, k: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor]:
         _flashinfer().apply_rope_with_cos_sin_cache_inplace(rotary.rows, q, k, q.shape[-1], rotary.cos_sin_cache)
         return q, k
     return apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SwiGLU's activation: ``[..., 2I]`` (gate | up) -> ``silu(gate) * up`` ``[..., I]``."""
+    if x.is_cuda and _fast(x):
+        return _flashinfer().silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _fast(x: Tensor) -> bool:

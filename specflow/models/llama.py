@@ -1,7 +1,8 @@
 """A native, token-flat Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
 
-Parameter names follow Hugging Face checkpoints (``model.layers.{i}.self_attn.q_proj.weight``,
-...), so a checkpoint's state dict loads as it is. The model never touches the KV cache: each
+State dicts use Hugging Face checkpoint names (``model.layers.{i}.self_attn.q_proj.weight``, ...),
+so a checkpoint's state dict loads as it is; inside, q/k/v and gate/up are packed into one
+Linear each (``PackedProjections``: one GEMM instead of three or two). The model never touches the KV cache: each
 attention layer hands rotated q/k and v to ``attn.forward(layer_idx, q, k, v)``, and the
 attention backend (planned by the runner for this forward) caches, masks and attends.
 """
@@ -11,11 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specflow.models.config import ModelConfig
-from specflow.models.kernels import rms_norm, rope
+from specflow.models.kernels import rms_norm, rope, silu_and_mul
 from specflow.models.rope import Rotary, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -34,19 +34,58 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class LlamaAttention(nn.Module):
-    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE; attention itself is delegated."""
+class PackedProjections(nn.Module):
+    """Base of a layer whose Linears may each stack several of a checkpoint's projections of one
+    input on the output dim (q/k/v, gate/up): one GEMM instead of several. ``state_dict`` splits
+    such a weight (and bias) into the checkpoint's names (``q_proj.weight``, ...), and
+    ``load_state_dict`` stacks them again, so checkpoints, ``.to()`` and ``assign=True`` loads see
+    ordinary tensors. (The hooks sit on this parent: a child's load hook sees only its own keys.)"""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self):
+        super().__init__()
+        self.packed: dict[str, dict[str, int]] = {}  # attribute -> {checkpoint name: output features}
+        self.register_state_dict_post_hook(PackedProjections._split)
+        self.register_load_state_dict_pre_hook(PackedProjections._stack)
+
+    def packed_linear(self, name: str, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        """``self.<name>``: one Linear for the checkpoint's ``parts``, stacked in their order."""
+        self.packed[name] = parts
+        setattr(self, name, nn.Linear(in_features, sum(parts.values()), bias=bias))
+
+    def unpack(self, name: str, y: Tensor) -> tuple[Tensor, ...]:
+        """``self.<name>``'s output ``[..., sum(parts)]`` -> one ``[..., n]`` view per part."""
+        return y.split(list(self.packed[name].values()), dim=-1)
+
+    def _split(self, state: dict, prefix: str, local_metadata: dict) -> None:
+        for name, parts in self.packed.items():
+            for kind in ("weight", "bias"):
+                packed = state.pop(f"{prefix}{name}.{kind}", None)
+                if packed is not None:  # clones: checkpoints must not share storage
+                    for part, piece in zip(parts, packed.split(list(parts.values()))):
+                        state[f"{prefix}{part}.{kind}"] = piece.clone()
+
+    def _stack(self, state: dict, prefix: str, *_) -> None:
+        for name, parts in self.packed.items():
+            for kind in ("weight", "bias"):
+                keys = [f"{prefix}{part}.{kind}" for part in parts]
+                if all(k in state for k in keys):
+                    state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+
+
+class LlamaAttention(PackedProjections):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE; attention itself is delegated.
+    ``in_features`` and ``qkv_bias`` override the config's for draft heads (EAGLE-3 reads 2H)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, in_features: int | None = None,
+                 qkv_bias: bool | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.packed_linear("qkv_proj", in_features or cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size,
+                           "v_proj": kv_size}, bias=cfg.qkv_bias if qkv_bias is None else qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -55,9 +94,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        q, k, v = self.unpack("qkv_proj", self.qkv_proj(x))
+        q = q.reshape(t, self.num_heads, self.head_dim)                 # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)              # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)              # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, rotary)
@@ -65,17 +105,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))                          # [T, H]
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class LlamaMLP(PackedProjections):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one GEMM."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size = cfg.intermediate_size
+        self.packed_linear("gate_up_proj", cfg.hidden_size, {"gate_proj": size, "up_proj": size}, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))   # [T, 2I] -> [T, I] -> [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):

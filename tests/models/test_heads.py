@@ -27,9 +27,10 @@ def target(tiny_target):
 def dense_attention(attn, x, cos, sin):
     """Causal attention of one sequence without any cache: the textbook formula."""
     t = x.shape[0]
-    q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, -1), cos, sin).transpose(0, 1)     # [Hq, T, D]
-    k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, -1), cos, sin).transpose(0, 1)  # [Hkv, T, D]
-    v = attn.v_proj(x).view(t, attn.num_kv_heads, -1).transpose(0, 1)
+    q, k, v = attn.unpack("qkv_proj", attn.qkv_proj(x))
+    q = apply_rotary(q.reshape(t, attn.num_heads, -1), cos, sin).transpose(0, 1)     # [Hq, T, D]
+    k = apply_rotary(k.reshape(t, attn.num_kv_heads, -1), cos, sin).transpose(0, 1)  # [Hkv, T, D]
+    v = v.reshape(t, attn.num_kv_heads, -1).transpose(0, 1)
     rep = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)                            # [Hq, T, D]
     scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5

@@ -1,5 +1,5 @@
 """kernels.py: on CPU the torch code (equal to transformers bit for bit, flashinfer never called);
-on CUDA, flashinfer's RMSNorm and RoPE against float32 references and the torch path."""
+on CUDA, flashinfer's RMSNorm, RoPE and SiLU-and-mul against float32 references and the torch path."""
 
 import pytest
 import torch
@@ -56,6 +56,14 @@ def test_rope_on_cpu_equals_transformers(dtype, flashinfer_everywhere):
     theirs = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_on_cpu_equals_transformers_mlp(dtype, flashinfer_everywhere):
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(2, 7, 48, generator=g).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(kernels.silu_and_mul(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up)
 
 
 def test_fast_path_needs_half_precision_no_autograd_and_flashinfer(monkeypatch):
@@ -121,6 +129,21 @@ def test_flashinfer_rope(dtype, head_dim, monkeypatch):
     for f, e, r in zip(fast, exact, reference):
         assert_close(f.float(), e, rtol=eps, atol=1e-4)  # float32 rotation, one rounding
         assert_close(f, r, rtol=4 * eps, atol=8 * eps)  # torch rounds each product and the sum
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_silu_and_mul(dtype, monkeypatch):
+    calls = spy(monkeypatch, "silu_and_mul")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(37, 2 * 1792, generator=g, device="cuda") * 3).to(dtype)  # gate | up
+    with torch.inference_mode():
+        fast = kernels.silu_and_mul(x)
+    gate, up = x.float().chunk(2, -1)
+    assert calls and fast.shape == (37, 1792)
+    eps = torch.finfo(dtype).eps
+    assert_close(fast.float(), torch.nn.functional.silu(gate) * up, rtol=2 * eps, atol=1e-5)  # float32, rounded once
 
 
 @pytest.mark.gpu

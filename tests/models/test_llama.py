@@ -62,4 +62,23 @@ def test_tied_head_shares_the_embedding_parameter():
     model = LlamaForCausalLM(cfg)
     assert model.lm_head.weight is model.embed_tokens.weight
     assert "lm_head.weight" in model.state_dict()
-    assert len(list(model.parameters())) == len(model.state_dict()) - 1
+    assert len(list(model.parameters())) == len(list(model.named_parameters(remove_duplicate=False))) - 1
+
+
+def test_packed_projections_keep_checkpoint_names():
+    """q/k/v and gate/up run as one Linear each; state dicts still use the checkpoint's names."""
+    cfg = ModelConfig(arch="qwen2", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=4)  # qwen2: q/k/v biases
+    model = LlamaForCausalLM(cfg)
+    state = model.state_dict()
+    attn = "model.layers.0.self_attn."
+    assert {f"{attn}{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")} <= set(state)
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(state)
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in state)
+    packed = model.model.layers[0].self_attn.qkv_proj
+    torch.testing.assert_close(state[f"{attn}k_proj.weight"], packed.weight[16:24].detach())  # q is 4 x 4 rows
+    torch.testing.assert_close(state[f"{attn}v_proj.bias"], packed.bias[24:].detach())
+    other = LlamaForCausalLM(cfg)
+    other.load_state_dict(state, strict=True)  # stacked again
+    for (name, ours), theirs in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(theirs, ours, msg=name)
