@@ -20,6 +20,7 @@ from torch import nn
 from specflow.bench.decode import best_times
 from specflow.engine import resolve_device
 from specflow.models import LlamaForCausalLM, ModelConfig
+from specflow.models.llama import checkpoint_state
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json, as a ModelConfig
 LLAMA_8B = dict(
@@ -71,15 +72,15 @@ def random_llama(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
 
 
 def hf_llama(model: LlamaForCausalLM):
-    """A ``transformers`` LlamaForCausalLM sharing ``model``'s weight tensors (no copy): the
-    parameter names are the same."""
+    """A ``transformers`` LlamaForCausalLM sharing ``model``'s weight tensors (no copy: q/k/v and
+    gate/up are views of the stacked tensors)."""
     import transformers
 
     param = next(model.parameters())
     config = transformers.LlamaConfig.from_dict(model.config.to_hf())
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict(model.state_dict(), strict=True, assign=True)
+    hf.load_state_dict(checkpoint_state(model, copy=False), strict=True, assign=True)  # views: no copy
     # RoPE tables are non-persistent buffers: build them again off the meta device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(param.device)
     left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from specflow.models.config import ModelConfig
 from specflow.models.head_io import Format, assign_state, check_fits, read_head, write_head
-from specflow.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from specflow.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, checkpoint_state
 from specflow.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -134,4 +134,4 @@ def save_eagle(head: EagleHead, path: str | Path, format: Format = "safetensors"
     if head.qkv_bias:
         hf["qkv_bias"] = True
     hf["torch_dtype"] = str(next(head.parameters()).dtype).removeprefix("torch.")
-    return write_head(path, hf, head.state_dict(), format=format)
+    return write_head(path, hf, checkpoint_state(head), format=format)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from specflow.models.config import CheckpointError, ModelConfig
 from specflow.models.eagle import head_attention, head_config
 from specflow.models.head_io import Format, assign_state, check_fits, read_head, write_head
-from specflow.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
+from specflow.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm, checkpoint_state
 from specflow.models.rope import Rotary, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -166,4 +166,4 @@ def save_eagle3(head: Eagle3Head, path: str | Path, format: Format = "safetensor
                               "use_aux_hidden_state": True}
     else:                    # the embedding output is tapped: only vLLM's convention can say so
         hf["eagle_aux_hidden_state_layer_ids"] = list(head.taps)
-    return write_head(path, hf, head.state_dict(), format=format)
+    return write_head(path, hf, checkpoint_state(head), format=format)

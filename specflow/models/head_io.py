@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specflow.models.config import CheckpointError
+from specflow.models.llama import StackedState, checkpoint_state
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 Format = Literal["safetensors", "bin"]
@@ -48,9 +49,10 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
     for the caller to fill); ``ignore`` maps names the file may carry but the head does not use
     (e.g. a copy of the target's embedding) to the shape they must have.
     """
-    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in checkpoint_state(head).items()}  # checkpoint names
     ignore = ignore or {}
-    loaded, problems, unexpected = {}, [], []
+    loaded, problems, unexpected = StackedState(head), [], []
+    names = set()
     for name, tensor in state.items():
         want = expected.get(name, ignore.get(name))
         if want is None:
@@ -59,7 +61,8 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
             problems.append(f"{name} has shape {list(tensor.shape)} in the checkpoint but the head needs "
                             f"{list(want)}")
         elif name in expected:
-            loaded[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            loaded.add(name, tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None))
+            names.add(name)
     missing = sorted(set(expected) - set(state) - set(optional))
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
@@ -67,8 +70,8 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
         problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
     if problems:
         raise CheckpointError(f"head checkpoint {path} does not fit (config.json + target): " + "; ".join(problems))
-    head.load_state_dict(loaded, strict=False, assign=True)
-    return sorted(set(expected) - set(loaded))
+    head.load_state_dict(loaded.state, strict=False, assign=True)
+    return sorted(set(expected) - names)
 
 
 def check_fits(what: str, head_value: int, target_value: int, path: str | Path) -> None:

@@ -1,8 +1,9 @@
 """A native, token-flat Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
 
-State dicts use Hugging Face checkpoint names (``model.layers.{i}.self_attn.q_proj.weight``, ...),
-so a checkpoint's state dict loads as it is; inside, q/k/v and gate/up are packed into one
-Linear each (``PackedProjections``: one GEMM instead of three or two). The model never touches the KV cache: each
+Checkpoints use Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``, ...). Inside,
+q/k/v and gate/up are stacked into one Linear each (``PackedProjections``: one GEMM instead of
+three or two); ``checkpoint_state`` / ``StackedState`` convert between the two at the file
+boundary (loader, heads, exports). The model never touches the KV cache: each
 attention layer hands rotated q/k and v to ``attn.forward(layer_idx, q, k, v)``, and the
 attention backend (planned by the runner for this forward) caches, masks and attends.
 """
@@ -36,16 +37,13 @@ class RMSNorm(nn.Module):
 
 class PackedProjections(nn.Module):
     """Base of a layer whose Linears may each stack several of a checkpoint's projections of one
-    input on the output dim (q/k/v, gate/up): one GEMM instead of several. ``state_dict`` splits
-    such a weight (and bias) into the checkpoint's names (``q_proj.weight``, ...), and
-    ``load_state_dict`` stacks them again, so checkpoints, ``.to()`` and ``assign=True`` loads see
-    ordinary tensors. (The hooks sit on this parent: a child's load hook sees only its own keys.)"""
+    input on the output dim (q/k/v, gate/up): one GEMM instead of several. The module's own state
+    dict holds the stacked tensors (``qkv_proj.weight``); ``checkpoint_state`` and ``StackedState``
+    convert to and from the checkpoint's names at the file boundary."""
 
     def __init__(self):
         super().__init__()
         self.packed: dict[str, dict[str, int]] = {}  # attribute -> {checkpoint name: output features}
-        self.register_state_dict_post_hook(PackedProjections._split)
-        self.register_load_state_dict_pre_hook(PackedProjections._stack)
 
     def packed_linear(self, name: str, in_features: int, parts: dict[str, int], bias: bool) -> None:
         """``self.<name>``: one Linear for the checkpoint's ``parts``, stacked in their order."""
@@ -56,20 +54,51 @@ class PackedProjections(nn.Module):
         """``self.<name>``'s output ``[..., sum(parts)]`` -> one ``[..., n]`` view per part."""
         return y.split(list(self.packed[name].values()), dim=-1)
 
-    def _split(self, state: dict, prefix: str, local_metadata: dict) -> None:
-        for name, parts in self.packed.items():
-            for kind in ("weight", "bias"):
-                packed = state.pop(f"{prefix}{name}.{kind}", None)
-                if packed is not None:  # clones: checkpoints must not share storage
-                    for part, piece in zip(parts, packed.split(list(parts.values()))):
-                        state[f"{prefix}{part}.{kind}"] = piece.clone()
 
-    def _stack(self, state: dict, prefix: str, *_) -> None:
-        for name, parts in self.packed.items():
-            for kind in ("weight", "bias"):
-                keys = [f"{prefix}{part}.{kind}" for part in parts]
-                if all(k in state for k in keys):
-                    state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+def packed_tensors(model: nn.Module) -> dict[str, list[tuple[str, int]]]:
+    """Every stacked tensor of ``model``: its state-dict name -> ``[(checkpoint name, rows), ...]``."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, PackedProjections):
+            for name, parts in module.packed.items():
+                for kind, tensor in getattr(module, name).named_parameters():
+                    out[f"{prefix}.{name}.{kind}".lstrip(".")] = [
+                        (f"{prefix}.{part}.{kind}".lstrip("."), rows) for part, rows in parts.items()]
+    return out
+
+
+def checkpoint_state(model: nn.Module, copy: bool = True) -> dict[str, Tensor]:
+    """``model.state_dict()`` under the checkpoint's names: stacked tensors split into their parts
+    (copies, as files need; ``copy=False``: views sharing the model's storage)."""
+    state = model.state_dict()
+    for name, parts in packed_tensors(model).items():
+        pieces = state.pop(name).split([rows for _, rows in parts])
+        state.update((part, piece.clone() if copy else piece) for (part, _), piece in zip(parts, pieces))
+    return state
+
+
+class StackedState:
+    """A checkpoint's tensors (checkpoint names, shapes already checked) gathered into ``model``'s
+    own state dict for ``load_state_dict``: each part of a stacked tensor is copied into its rows
+    of one tensor as it arrives, so a load holds no tensor twice (the part itself can go)."""
+
+    def __init__(self, model: nn.Module):
+        self.state: dict[str, Tensor] = {}
+        self.rows: dict[str, tuple[str, int, int]] = {}  # part -> (stacked name, first row, total rows)
+        for name, parts in packed_tensors(model).items():
+            start, total = 0, sum(rows for _, rows in parts)
+            for part, rows in parts:
+                self.rows[part] = (name, start, total)
+                start += rows
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if name not in self.rows:
+            self.state[name] = tensor
+            return
+        stacked, start, total = self.rows[name]
+        if stacked not in self.state:
+            self.state[stacked] = tensor.new_empty(total, *tensor.shape[1:])
+        self.state[stacked][start : start + len(tensor)].copy_(tensor)
 
 
 class LlamaAttention(PackedProjections):

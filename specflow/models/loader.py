@@ -3,8 +3,9 @@
 A directory holds ``config.json`` and weights in one of: ``model.safetensors``; shards listed
 by ``model.safetensors.index.json``; ``pytorch_model.bin``; shards listed by
 ``pytorch_model.bin.index.json``. The model is built on the meta device (no random init) and
-each tensor is assigned once, already in the target dtype and device, so loading a large model
-never holds two copies of it.
+each tensor is assigned once, already in the target dtype and device (q/k/v and gate/up copied
+into their rows of one stacked tensor as they arrive), so loading a large model never holds two
+copies of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specflow.models.config import CheckpointError, ModelConfig
-from specflow.models.llama import LlamaForCausalLM
+from specflow.models.llama import LlamaForCausalLM, StackedState, checkpoint_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some exporters saved
@@ -41,10 +42,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     dtype = resolve_dtype(dtype, hf)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    expected = {k: v.shape for k, v in checkpoint_state(model).items()}  # checkpoint names
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    state: dict[str, Tensor] = {}
+    state, loaded = StackedState(model), set()
     problems, unexpected, misshapen = [], [], set()
     for name, tensor in _read_tensors(path, device):
         if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
@@ -56,8 +57,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
             problems.append(f"{name} has shape {list(tensor.shape)} in the checkpoint but the config "
                             f"expects {list(expected[name])}")
         else:
-            state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-    missing = sorted(set(expected) - set(state) - misshapen)
+            state.add(name, tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None))
+            loaded.add(name)
+    missing = sorted(set(expected) - loaded - misshapen)
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -65,7 +67,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match its config.json ({cfg.arch}): "
                               + "; ".join(problems))
-    result = model.load_state_dict(state, strict=False, assign=True)
+    result = model.load_state_dict(state.state, strict=False, assign=True)
     assert result.missing_keys == (["lm_head.weight"] if cfg.tie_word_embeddings else []), result
     model.tie_weights()
     return model.to(device).eval()
@@ -125,7 +127,7 @@ def save_model(model: LlamaForCausalLM, path: str | Path) -> None:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     hf = {**model.config.to_hf(), "dtype": dtype, "torch_dtype": dtype}
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    state = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_state(model).items()}
     if model.config.tie_word_embeddings:
         del state["lm_head.weight"]
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})

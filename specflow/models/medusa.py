@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from specflow.models.config import CheckpointError
 from specflow.models.head_io import WEIGHT_FILES, Format, assign_state, check_fits, read_head, write_head
-from specflow.models.llama import LlamaForCausalLM
+from specflow.models.llama import LlamaForCausalLM, checkpoint_state
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -86,4 +86,4 @@ def save_medusa(heads: MedusaHeads, path: str | Path, format: Format = "safetens
     hf = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
           "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
           "base_model_name_or_path": base_model_name_or_path}
-    return write_head(path, hf, heads.state_dict(), format=format, file_names=MEDUSA_FILES)
+    return write_head(path, hf, checkpoint_state(heads), format=format, file_names=MEDUSA_FILES)

@@ -13,9 +13,10 @@ real token:
   the reserved padding page, which real rows never see;
 - in a causal forward whose requests send different numbers of tokens, each request is padded
   to the graph's N with tokens after its own (token 0, the next logical indices). Its real
-  tokens cannot see them (causal), their K/V lands past the request's end (reserved, and
-  overwritten by the request's next forward before anything reads it), and their outputs are
-  dropped. Tree-masked forwards are never padded this way: every request must send N tokens.
+  tokens cannot see them (causal), their K/V lands in reserved slots past the request's end
+  (never read before a later forward writes them), and their outputs are dropped. When the pool
+  cannot hold those slots, the forward runs eagerly. Tree-masked forwards are never padded this
+  way: every request must send N tokens.
 
 ``capture=False`` runs the very same padded, static-buffer forward eagerly; that is how the CPU
 tests check the padding logic that the GPU then captures.
@@ -174,7 +175,7 @@ class RowGraphs:
         self.sizes = capture_sizes(max_rows)
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.graphs: dict[int, tuple] = {}  # size -> (static input, static output, graph); no graph on CPU
+        self.graphs: dict[tuple, tuple] = {}  # (size, row shape, dtype) -> (static in, static out, graph or None)
 
     @torch.inference_mode()
     def __call__(self, x: Tensor) -> Tensor:
@@ -182,11 +183,12 @@ class RowGraphs:
         if r > self.sizes[-1]:
             return self.fn(x)
         size = next(s for s in self.sizes if s >= r)
-        if size not in self.graphs:
+        key = (size, x.shape[1:], x.dtype)
+        if key not in self.graphs:
             static = x.new_zeros(size, *x.shape[1:])
             graph, out = record(lambda: self.fn(static), self.pool) if self.capture else (None, None)
-            self.graphs[size] = (static, out, graph)
-        static, out, graph = self.graphs[size]
+            self.graphs[key] = (static, out, graph)
+        static, out, graph = self.graphs[key]
         static.zero_()[:r].copy_(x)
         if graph is None:
             out = self.fn(static)

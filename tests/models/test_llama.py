@@ -6,6 +6,7 @@ import torch
 from torch.testing import assert_close
 
 from specflow.models import LlamaForCausalLM, ModelConfig, load_model
+from specflow.models.llama import StackedState, checkpoint_state
 from specflow.runtime.model_runner import ModelRunner
 
 from tests.models.tiny_checkpoints import PROMPTS, VARIANTS
@@ -66,11 +67,12 @@ def test_tied_head_shares_the_embedding_parameter():
 
 
 def test_packed_projections_keep_checkpoint_names():
-    """q/k/v and gate/up run as one Linear each; state dicts still use the checkpoint's names."""
+    """q/k/v and gate/up run as one Linear each; checkpoint_state splits them into the checkpoint's
+    names (copies), StackedState stacks them again."""
     cfg = ModelConfig(arch="qwen2", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=4)  # qwen2: q/k/v biases
     model = LlamaForCausalLM(cfg)
-    state = model.state_dict()
+    state = checkpoint_state(model)
     attn = "model.layers.0.self_attn."
     assert {f"{attn}{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")} <= set(state)
     assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(state)
@@ -79,6 +81,9 @@ def test_packed_projections_keep_checkpoint_names():
     torch.testing.assert_close(state[f"{attn}k_proj.weight"], packed.weight[16:24].detach())  # q is 4 x 4 rows
     torch.testing.assert_close(state[f"{attn}v_proj.bias"], packed.bias[24:].detach())
     other = LlamaForCausalLM(cfg)
-    other.load_state_dict(state, strict=True)  # stacked again
+    stacked = StackedState(other)
+    for name, tensor in state.items():
+        stacked.add(name, tensor)
+    other.load_state_dict(stacked.state, strict=True)  # stacked again
     for (name, ours), theirs in zip(model.named_parameters(), other.parameters()):
         torch.testing.assert_close(theirs, ours, msg=name)

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
 from specflow.models import CheckpointError, LlamaForCausalLM, ModelConfig, load_model, save_model
+from specflow.models.llama import checkpoint_state
 from specflow.runtime.model_runner import ModelRunner
 
 from tests.models.tiny_checkpoints import PROMPTS
@@ -16,7 +17,7 @@ from tests.models.tiny_checkpoints import PROMPTS
 
 def assert_same_weights(model, hf):
     """Every native tensor equals transformers' tensor of the same name (and dtype)."""
-    ours, theirs = model.state_dict(), hf.state_dict()
+    ours, theirs = checkpoint_state(model), hf.state_dict()
     assert set(ours) <= set(theirs)
     for name, tensor in ours.items():
         assert tensor.device.type == "cpu"
