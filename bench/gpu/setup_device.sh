@@ -29,6 +29,12 @@ pip=("$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS")
 # --no-deps: its metadata lists packages (cuda-python, cutlass-dsl, ...) the attention path never imports;
 # pip then reports them as missing, which is expected
 "${pip[@]}" --no-deps "$WHEELS"/flashinfer_python-*.whl
+# kernels stage_wheels.sh built ahead of time: flashinfer loads data/aot/<name>/<name>.so before
+# compiling anything (and compiles after all if one fails to load)
+if [ -d "$WHEELS/flashinfer-aot" ]; then
+    aot=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")/flashinfer/data/aot
+    mkdir -p "$aot" && cp -r "$WHEELS"/flashinfer-aot/. "$aot"/
+fi
 "${pip[@]}" apache-tvm-ffi requests nvidia-ml-py ninja "omegaconf>=2.3" einops \
     pytest pytest-xdist hypothesis "setuptools>=68"
 "${pip[@]}" --no-deps --no-build-isolation -e .
@@ -41,8 +47,13 @@ touch "$VENV/.installed-dev"
 
 PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/python" -c "
 import shutil, torch, flashinfer, specflow
+from flashinfer.jit import env
+from flashinfer.jit.norm import gen_norm_module
 from specflow.runtime.flashinfer_backend import flashinfer_available
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'
+aot = len(list(env.FLASHINFER_AOT_DIR.glob('*/*.so')))
+loads = aot and gen_norm_module().try_load() is not None  # a prebuilt module loads here (else: JIT builds)
 print('torch', torch.__version__, '| cuda', torch.version.cuda, '|', gpu, '| flashinfer', flashinfer.__version__,
-      '| available', flashinfer_available(), '| nvcc', shutil.which('nvcc'), '| ninja', shutil.which('ninja'))
+      '| available', flashinfer_available(), '| prebuilt modules', aot, '| they load', bool(loads),
+      '| nvcc', shutil.which('nvcc'), '| ninja', shutil.which('ninja'))
 "
