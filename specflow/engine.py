@@ -75,12 +75,13 @@ class SpecEngine:
         if cuda_graphs is None:
             cuda_graphs = graphable and self.device.type == "cuda"
         # drafters build their own runners with the target's backend and graph settings
+        self.runtime = RuntimeOptions(backend, cuda_graphs, max_batch_size)
         self.pipeline = Pipeline.from_config(
             drafter, tree if tree is not None else {"type": "chain"},
             verifier if verifier is not None else {"type": "rejection"},
             target=self.runner, vocab_size=self.model.config.vocab_size,
             device=self.device, dtype=self.dtype,
-            runtime=RuntimeOptions(backend, cuda_graphs, max_batch_size))
+            runtime=self.runtime)
         self.drafter = self.pipeline.drafter
         self.tree_builder = self.pipeline.tree
         self.verifier = self.pipeline.verifier

@@ -45,6 +45,26 @@ def decode_bytes(model, mean_context: float) -> tuple[int, int]:
     return weights, int(kv_per_token * mean_context)
 
 
+def forward_ms(engine: SpecEngine, context: int, device: torch.device) -> dict[str, float]:
+    """Where a decode step's time goes, at ``context`` cached tokens: one target forward through the
+    runner (its host work, the kernels and the LM head), and with CUDA graphs the captured decode
+    graph's replay alone (the layers' kernels only)."""
+    runner, rid = engine.runner, -2  # a request of its own (the graphs' padding is -1)
+    runner.extend([rid], [[3] * context], logits="none")
+
+    def forward():
+        runner.extend([rid], [[5]], logits="last")
+        runner.cache.truncate(rid, context)
+
+    out = {"runner_forward": gpu.median_ms(forward, device, iters=50, warmup=5)}
+    captured = [g.graph for key, g in (runner.graphs.graphs if runner.graphs else {}).items()
+                if key[:2] == (1, 1) and g.graph is not None]  # batch 1, 1 token: the decode graph
+    if captured:
+        out["graph_replay"] = gpu.median_ms(captured[0].replay, device, iters=50, warmup=5)
+    runner.release([rid])
+    return out
+
+
 def run(args) -> dict:
     device, dtype = gpu.setup(args)
     s = TINY if args.tiny else REAL
@@ -52,7 +72,7 @@ def run(args) -> dict:
     cfg = gpu.llama_config(args.tiny)
     model = gpu.random_llama(cfg, device, dtype)
     engine = SpecEngine(model, verifier=GreedyVerifier(), **gpu.engine_options(args),
-                        kv_cache_tokens=s["prompt_len"] + s["new_tokens"] + 16, max_batch_size=1)
+                        kv_cache_tokens=s["prompt_len"] + s["new_tokens"] + 64, max_batch_size=1)
     hf = gpu.hf_llama(model)
     prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt_len"]))
     hf_prompt = prompt.to(device)
@@ -77,6 +97,8 @@ def run(args) -> dict:
     decode_tok_s = n / (ours_full - ours_first)
     weight_bytes, kv_bytes = decode_bytes(model, s["prompt_len"] + (n + 1) / 2)
     roofline = bandwidth * 1e9 / (weight_bytes + kv_bytes)
+    step, _ = gpu.step_ms(engine, prompt[0].tolist(), iters=50, warmup=5, device=device)
+    times = forward_ms(engine, s["prompt_len"] + n // 2, device)
     result = {
         "model": gpu.shape_of(cfg),
         "shapes": {"batch_size": 1, "prompt_len": s["prompt_len"], "new_tokens": n, "repeats": s["repeats"],
@@ -90,6 +112,10 @@ def run(args) -> dict:
         "decode_vs_roofline": decode_tok_s / roofline,
         "hf_static_vs_roofline": n / (hf_full - hf_first) / roofline,
         "prefill_plus_first_token_s": {"specflow": ours_first, "hf_static": hf_first},
+        # what limits decode_tok_s (medians): the kernels (graph replay against the roofline's step),
+        # the runner's host work and LM head (runner forward - replay), the engine's (step - forward)
+        "step_ms": {"roofline": 1e3 / roofline, "engine_step": step, **times,
+                    "engine_outside_forward": step - times["runner_forward"]},
         "goal": f"decode_vs_roofline >= {GOAL}",
         "cuda_graphs": engine.runner.graphs is not None,
         "hf_compiled": device.type == "cuda" and not args.hf_eager,
@@ -102,6 +128,7 @@ def run(args) -> dict:
                      {"": "roofline", "tok/s": roofline, "x roofline": 1.0}], ["", "tok/s", "x roofline"])
     print(f"copy bandwidth {bandwidth:.1f} GB/s, {weight_bytes / 1e9:.3f} GB weights + "
           f"{kv_bytes / 1e6:.2f} MB K/V per token")
+    print("ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in result["step_ms"].items()))
     return gpu.write_result(args, device, dtype, "decode_roofline", result)
 
 

@@ -39,23 +39,6 @@ def random_eagle_head(target, device: torch.device, dtype: torch.dtype) -> Eagle
     return gpu.random_init_(head, device, dtype, seed=1)
 
 
-def tokens_per_step(outs) -> float:
-    steps = sum(len(o.accept_lengths) for o in outs)
-    return sum(sum(o.accept_lengths) for o in outs) / max(1, steps)
-
-
-def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, device) -> tuple[float, float]:
-    """(median ms of ``engine.step()`` on one running request, its tokens per step)."""
-    params = SamplingParams(temperature=0.0, max_tokens=(iters + warmup + 2) * (TREE["depth"] + 1),
-                            ignore_eos=True)
-    rid = engine.add_request(prompt, params)
-    engine.step()  # prefill (+ the first step)
-    ms = gpu.median_ms(engine.step, device, iters, warmup)
-    per_step = tokens_per_step(engine.snapshot([rid]))
-    engine.abort(rid)
-    return ms, per_step
-
-
 def run(args) -> dict:
     device, dtype = gpu.setup(args)
     s = TINY if args.tiny else REAL
@@ -66,12 +49,12 @@ def run(args) -> dict:
     kv_tokens = max_b * (s["prompt_len"] + s["new_tokens"] + 2 * TREE["num_draft_tokens"])
     common = dict(**gpu.engine_options(args), kv_cache_tokens=kv_tokens, max_batch_size=max_b)
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
-    spec = SpecEngine(target, drafter=EagleDrafter(head, kv_cache_tokens=kv_tokens), tree=Eagle2Builder(**TREE),
-                      verifier=GreedyVerifier(), **common)
+    drafter = EagleDrafter(head, kv_cache_tokens=kv_tokens, runtime=plain.runtime)  # the engine's backend, graphs
+    spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
 
     prompts = torch.randint(3, cfg.vocab_size, (max_b, s["prompt_len"])).tolist()
-    decode_ms, _ = step_ms(plain, prompts[0], s["iters"], s["warmup"], device)
-    spec_ms, spec_step_tokens = step_ms(spec, prompts[0], s["iters"], s["warmup"], device)
+    decode_ms, _ = gpu.step_ms(plain, prompts[0], s["iters"], s["warmup"], device)
+    spec_ms, spec_step_tokens = gpu.step_ms(spec, prompts[0], s["iters"], s["warmup"], device, TREE["depth"] + 1)
 
     params = SamplingParams(temperature=0.0, max_tokens=s["new_tokens"], ignore_eos=True)
     last = {}  # engine name -> outputs of its latest run
@@ -84,7 +67,7 @@ def run(args) -> dict:
         t_plain, t_spec = gpu.best_seconds([generate("plain", plain, prompts[:b]), generate("spec", spec, prompts[:b])],
                                            device, s["repeats"])
         rows.append({"batch_size": b, "plain_tok_s": b * s["new_tokens"] / t_plain,
-                     "spec_tok_s": b * s["new_tokens"] / t_spec, "spec_tokens_per_step": tokens_per_step(last["spec"])})
+                     "spec_tok_s": b * s["new_tokens"] / t_spec, "spec_tokens_per_step": gpu.tokens_per_step(last["spec"])})
     gpu.print_table([{"": "decode step", "ms": decode_ms}, {"": "spec step", "ms": spec_ms}], ["", "ms"])
     gpu.print_table(rows, ["batch_size", "plain_tok_s", "spec_tok_s", "spec_tokens_per_step"])
     result = {
@@ -93,6 +76,7 @@ def run(args) -> dict:
         "tree": {"type": "eagle2", **TREE},
         "verifier": "greedy",
         "cuda_graphs": spec.runner.graphs is not None,
+        "drafter_cuda_graphs": drafter.runner.runner.graphs is not None,
         "shapes": {"prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"], "batch_sizes": s["batch_sizes"],
                    "iters": s["iters"], "warmup": s["warmup"], "repeats": s["repeats"]},
         "decode_step_ms": decode_ms,

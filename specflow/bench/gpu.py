@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from specflow.bench.decode import best_times
-from specflow.engine import resolve_device
+from specflow.engine import SpecEngine, resolve_device
 from specflow.models import LlamaForCausalLM, ModelConfig
 from specflow.models.llama import checkpoint_state
+from specflow.sampling import SamplingParams
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json, as a ModelConfig
 LLAMA_8B = dict(
@@ -113,6 +114,25 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, device: torch.device,
+            max_tokens_per_step: int = 1) -> tuple[float, float]:
+    """(median ms of ``engine.step()`` on one running request, its mean tokens per step)."""
+    params = SamplingParams(temperature=0.0, max_tokens=(iters + warmup + 4) * max_tokens_per_step, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    engine.step()  # prefill (+ the first step)
+    ms = median_ms(engine.step, device, iters, warmup)
+    out = engine.snapshot([rid])
+    engine.abort(rid)
+    assert len(out[0].accept_lengths) > iters + warmup, "the request did not run every step (KV pool too small?)"
+    return ms, tokens_per_step(out)
+
+
+def tokens_per_step(outs) -> float:
+    """Mean tokens committed per step over request outputs."""
+    steps = sum(len(o.accept_lengths) for o in outs)
+    return sum(sum(o.accept_lengths) for o in outs) / max(1, steps)
 
 
 def best_seconds(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
