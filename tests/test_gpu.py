@@ -1,7 +1,8 @@
 """The suite's correctness claims on a CUDA GPU, with both attention backends (``make test-gpu``):
 logits equal to transformers, and every learned drafter x tree greedy-lossless, on the shipped
-family. The torch backend runs in float32 with CUDA graphs (the default on CUDA); flashinfer has
-no float32 kernels, so it runs in bfloat16."""
+family. The torch backend runs in float32 with CUDA graphs (the default on CUDA) and must match
+token for token; flashinfer has no float32 kernels, so it runs in bfloat16, where a sequence may
+part from plain decoding only at a near-tie of the target's logits (``assert_lossless``)."""
 
 import pytest
 import torch
@@ -50,12 +51,31 @@ def test_logits_match_transformers(setting):
     torch.testing.assert_close(ours.float(), theirs.float(), **tol)
 
 
+TIE = 0.25  # bfloat16 logit gap within which kernels summing in another order may pick either token
+
+
+def assert_lossless(outs, baseline, model, backend: str) -> None:
+    """Token for token equal to plain decoding. In bfloat16 the tree kernels and the decode kernel
+    round differently, so a sequence may part from the baseline at a near-tie: there the two
+    tokens' logits (one plain forward over the shared prefix) must lie within ``TIE``, and the
+    rest of the sequence, which continues from another token, is not compared."""
+    for ours, theirs in zip(outs, baseline):
+        if ours.token_ids == theirs.token_ids:
+            continue
+        assert model.lm_head.weight.dtype == torch.bfloat16, f"{ours.token_ids} != {theirs.token_ids}"
+        i = next(i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b)
+        runner = ModelRunner(model, num_pages=1024, backend=backend)
+        logits = runner.extend([0], [theirs.prompt_token_ids + theirs.token_ids[:i]], logits="last").logits[0]
+        gap = float(logits[theirs.token_ids[i]] - logits[ours.token_ids[i]])
+        assert abs(gap) <= TIE, f"token {i}: {ours.token_ids[i]} instead of {theirs.token_ids[i]}, logit gap {gap}"
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def plain(request):
     """(backend, the loaded target engine, its plain greedy outputs)."""
     backend, dtype = request.param
     engine = SpecEngine(f"{ZOO}/target", device="cuda", dtype=dtype, backend=backend)
-    return backend, engine, [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    return backend, engine, engine.generate(PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -65,7 +85,7 @@ def test_greedy_is_lossless(plain, drafter, tree):
     engine = SpecEngine(target.model, DRAFTERS[drafter], TREES[tree], {"type": "greedy"},
                         tokenizer=target.tokenizer, backend=backend)
     outs = engine.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == baseline
+    assert_lossless(outs, baseline, target.model, backend)
     if drafter != "ngram":
         assert max(max(o.accept_lengths) for o in outs) > 1, "the shipped drafter never got a draft accepted"
 
@@ -78,4 +98,4 @@ def test_medusa_static_tree_is_lossless(setting):
     engine = SpecEngine(f"{ZOO}/target", {"type": "medusa", "path": f"{ZOO}/medusa"},
                         {"type": "static", "preset": "medusa_63"}, {"type": "greedy"},
                         device="cuda", dtype=dtype, backend=backend)
-    assert [o.token_ids for o in engine.generate(PROMPTS[:2], params)] == [o.token_ids for o in plain]
+    assert_lossless(engine.generate(PROMPTS[:2], params), plain, engine.model, backend)
