@@ -45,7 +45,6 @@ decode graph cannot serve a later batch that needs a mask, so graphs are best ke
 from __future__ import annotations
 
 import functools
-from itertools import chain
 from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
@@ -96,8 +95,8 @@ def page_table(cache: PagedKVCache, batch: ForwardBatch) -> tuple[Tensor, Tensor
     ps = cache.page_size
     kv_lens = np.add(batch.prefix_lens, batch.qo_lens)                                 # [B]
     num_pages = -(-kv_lens // ps)                                                      # [B]
-    pages = chain.from_iterable(cache.block_tables[r][:n] for r, n in zip(batch.request_ids, num_pages.tolist()))
-    indices = np.fromiter(pages, dtype=np.int32, count=int(num_pages.sum()))
+    indices = np.concatenate([cache.block_tables[r].pages[:n]
+                              for r, n in zip(batch.request_ids, num_pages.tolist())]).astype(np.int32)
     indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
     last_page_len = (kv_lens - (num_pages - 1) * ps).astype(np.int32)
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len)

@@ -42,6 +42,38 @@ class BlockAllocator:
         assert len(self._free) <= self.num_pages, "double free"
 
 
+class BlockTable:
+    """One request's page ids in logical order, in a numpy buffer that doubles when full: laying
+    out a batch copies array slices instead of converting lists, whatever the context length."""
+
+    def __init__(self):
+        self._buf = np.zeros(16, dtype=np.int64)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def pages(self) -> np.ndarray:
+        """[len] page ids (a view: valid until the next ``extend``)."""
+        return self._buf[: self._len]
+
+    def extend(self, pages: list[int]) -> None:
+        end = self._len + len(pages)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[: self._len] = self.pages
+            self._buf = grown
+        self._buf[self._len : end] = pages
+        self._len = end
+
+    def truncate(self, num_pages: int) -> list[int]:
+        """Keep the first ``num_pages``; returns the others."""
+        dropped = self._buf[num_pages : self._len].tolist()
+        self._len = min(self._len, num_pages)
+        return dropped
+
+
 class PagedKVCache:
     """One K and one V pool for all layers: ``k[layer]`` is ``[num_pages * page_size, Hkv, D]``."""
 
@@ -53,7 +85,7 @@ class PagedKVCache:
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_tables: dict[int, list[int]] = {}
+        self.block_tables: dict[int, BlockTable] = {}
         self.kv_lens: dict[int, int] = {}
 
     @property
@@ -65,14 +97,15 @@ class PagedKVCache:
 
     def reserve(self, request_ids: list[int], num_tokens: list[int]) -> None:
         """Make each request's block table cover ``num_tokens`` logical indices; all or nothing."""
-        extra = [max(0, self.pages_needed(n) - len(self.block_tables.get(r, [])))
+        extra = [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))
                  for r, n in zip(request_ids, num_tokens)]
         if sum(extra) > self.allocator.num_free:
             raise OutOfPages(f"need {sum(extra)} more KV pages, {self.allocator.num_free} free")
         for r, e in zip(request_ids, extra):
-            table = self.block_tables.setdefault(r, [])
-            self.kv_lens.setdefault(r, 0)
-            table.extend(self.allocator.allocate(e))
+            if r not in self.block_tables:
+                self.block_tables[r], self.kv_lens[r] = BlockTable(), 0
+            if e:
+                self.block_tables[r].extend(self.allocator.allocate(e))
 
     def slots(self, request_id: int, start: int, end: int) -> Tensor:
         """[end - start] slot ids of logical indices start..end-1 (must be reserved)."""
@@ -80,15 +113,18 @@ class PagedKVCache:
 
     def batch_slots(self, request_ids: list[int], kv_lens: list[int], start: int = 0) -> Tensor:
         """[B, max(kv_lens) - start] slot ids of logical indices start..kv_len-1 per request
-        (0 past the end). Built in numpy: converting Python lists is several times cheaper there."""
-        tables = [self.block_tables[r] for r in request_ids]
-        table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)          # [B, pages]
-        for row, t in zip(table, tables):
-            row[: len(t)] = t
+        (0 past the end), from array copies of the block tables."""
+        ps = self.page_size
+        pages = [self.pages_needed(n) for n in kv_lens]
+        table = np.zeros((len(request_ids), max(pages)), dtype=np.int64)                  # [B, pages]
+        for row, r, n in zip(table, request_ids, pages):
+            row[:n] = self.block_tables[r].pages[:n]
+        if ps == 1:  # a slot is its page: rows are zero past kv_len already
+            return torch.from_numpy(np.ascontiguousarray(table[:, start:]))
         idx = np.arange(start, max(kv_lens))
-        slots = table[:, idx // self.page_size] * self.page_size + idx % self.page_size    # [B, max_kv]
+        slots = table[:, idx // ps] * ps + idx % ps                                       # [B, max_kv]
         slots[idx[None] >= np.array(kv_lens)[:, None]] = 0
-        return torch.from_numpy(np.ascontiguousarray(slots))
+        return torch.from_numpy(np.ascontiguousarray(slots))  # column indexing may leave it Fortran-ordered
 
     def commit(self, request_id: int, base: int, keep: list[int]) -> None:
         """Keep the tokens at logical indices ``base + keep[j]`` as ``base + j``; drop the rest.
@@ -108,13 +144,12 @@ class PagedKVCache:
 
     def truncate(self, request_id: int, kv_len: int) -> None:
         """Set the request's cached length and free the pages beyond it."""
-        table = self.block_tables[request_id]
-        keep_pages = self.pages_needed(kv_len)
-        self.allocator.free(table[keep_pages:])
-        del table[keep_pages:]
+        self.allocator.free(self.block_tables[request_id].truncate(self.pages_needed(kv_len)))
         self.kv_lens[request_id] = kv_len
 
     def release(self, request_id: int) -> None:
         """Return all of a request's pages to the pool."""
-        self.allocator.free(self.block_tables.pop(request_id, []))
+        table = self.block_tables.pop(request_id, None)
+        if table is not None:
+            self.allocator.free(table.pages.tolist())
         self.kv_lens.pop(request_id, None)

@@ -8,8 +8,12 @@ from hypothesis import strategies as st
 from specflow.runtime.kv_cache import BlockAllocator, OutOfPages, PagedKVCache
 
 
+def tables(cache: PagedKVCache) -> dict[int, list[int]]:
+    return {r: t.pages.tolist() for r, t in cache.block_tables.items()}
+
+
 def check_invariants(cache: PagedKVCache) -> None:
-    owned = [p for table in cache.block_tables.values() for p in table]
+    owned = [p for table in cache.block_tables.values() for p in table.pages.tolist()]
     assert len(owned) == len(set(owned)), "a page is owned twice"
     free = list(cache.allocator._free)
     assert not set(owned) & set(free), "an owned page is on the free list"
@@ -29,8 +33,7 @@ ops = st.lists(st.tuples(st.sampled_from(["reserve", "commit", "release"]),
 def test_allocator_invariants(ops, page_size, num_pages):
     cache = PagedKVCache(1, 1, 2, num_pages, page_size)
     for op, rid, n, seed in ops:
-        before = ({r: list(t) for r, t in cache.block_tables.items()}, dict(cache.kv_lens),
-                  cache.allocator.num_free)
+        before = (tables(cache), dict(cache.kv_lens), cache.allocator.num_free)
         if op == "reserve":
             kv = cache.kv_lens.get(rid, 0)
             try:
@@ -38,7 +41,7 @@ def test_allocator_invariants(ops, page_size, num_pages):
                 cache.kv_lens[rid] = kv + n
             except OutOfPages:
                 # a failed reservation changes nothing
-                assert (cache.block_tables, cache.kv_lens, cache.allocator.num_free) == before
+                assert (tables(cache), cache.kv_lens, cache.allocator.num_free) == before
         elif op == "commit" and rid in cache.kv_lens and cache.kv_lens[rid] > 0:
             kv = cache.kv_lens[rid]
             g = torch.Generator().manual_seed(seed)
