@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,7 +48,7 @@ class _DraftState:
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
     last_feature: Tensor | None = None                             # [F] target feature of the token before the root
-    outputs: dict[tuple[int, ...], Tensor] = field(default_factory=dict)  # token path -> model output [F]
+    outputs: dict[tuple[int, ...], Tensor] = field(default_factory=dict)  # token path -> model output [1, F]
 
 
 @dataclass
@@ -55,12 +56,12 @@ class DraftBatch:
     """What one expansion sends to the drafter model, before its forward."""
 
     request_ids: list[int]
-    tokens: list[Tensor]          # per request [q]
-    positions: list[Tensor]       # per request [q]
+    tokens: list[list[int]]       # per request, q ids
+    positions: list[list[int]]    # per request, q positions
     tree_masks: list[Tensor | None]
     rows: list[tuple[int, int, int]]  # (b, f, offset of the frontier node within its request's tokens)
     paths: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (request id, token path) per row
-    features: list[Tensor] = field(default_factory=list)  # features=True: per request [q, F]
+    features: list[Tensor] = field(default_factory=list)  # features=True: [n, F] chunks, token-flat in order
 
 
 class TreeDraftRunner:
@@ -94,7 +95,8 @@ class TreeDraftRunner:
         """Decide which tokens each request feeds for this expansion.
 
         All or nothing: the pages are reserved before any state changes, so an OutOfPages
-        leaves every request as it was.
+        leaves every request as it was. Host work is per frontier node and tree depth, never
+        per scratch entry: a node's mask row marks the scratch columns of its path's prefixes.
         """
         tree = frontier.tree
         nodes_all = frontier.nodes.tolist()
@@ -109,40 +111,43 @@ class TreeDraftRunner:
             fed = len(st.pending) + 1 if nodes == [0] else len(nodes)
             totals.append(self.runner.kv_len(rid) + fed)
         self.runner.cache.reserve([rid for _, rid, _ in todo], totals)
+        tokens_all, parents_all = tree.tokens.tolist(), tree.parents.tolist()
+        positions_all = (tree.positions - self.shift).tolist()
         batch = DraftBatch([], [], [], [], [])
         for b, rid, nodes in todo:
             st = self.states[rid]
             if nodes == [0]:  # a new tree: pending committed tokens, then the root, causal
                 root_pos = int(frontier.roots.positions[b])
                 assert st.committed + len(st.pending) == root_pos - self.shift, "drafter lost track of the sequence"
-                tokens = st.pending + [int(tree.tokens[b, 0])]
-                positions = torch.arange(st.committed, st.committed + len(tokens))
+                tokens = st.pending + [tokens_all[b][0]]
+                positions = list(range(st.committed, st.committed + len(tokens)))
                 mask = None
                 if self.features:
                     assert st.last_feature is not None, "begin() gave no target features for this request"
-                    batch.features.append(torch.cat([*st.pending_features, st.last_feature[None]]))
+                    batch.features.extend([*st.pending_features, st.last_feature[None]])
                     st.pending_features = []
                 st.committed += len(st.pending)
                 st.pending = []
                 st.scratch, st.outputs = {(): 0}, {}
                 rows, paths = [(b, 0, len(tokens) - 1)], [()]
             else:
-                row = tree.tokens[b].tolist()
-                paths = [tuple(row[i] for i in tree.path_to(b, n)[1:]) for n in nodes]
+                paths = [_token_path(parents_all[b], tokens_all[b], n) for n in nodes]
                 assert len(set(paths)) == len(paths) and all(p not in st.scratch for p in paths), \
                     "siblings must carry distinct tokens"
-                cols = sorted(st.scratch, key=st.scratch.get) + paths
+                s = len(st.scratch)
+                st.scratch.update((p, s + f) for f, p in enumerate(paths))
                 # a column is visible when its path is a prefix of the node's path (ancestor or self)
-                mask = torch.tensor([[p[: len(c)] == c for c in cols] for p in paths])  # [F, s + F]
-                tokens = tree.tokens[b, nodes].tolist()
-                positions = tree.positions[b, nodes] - self.shift
-                if self.features:  # a node reads the model's output at its parent
-                    batch.features.append(torch.stack([st.outputs[p[:-1]] for p in paths]))  # [F, F_dim]
+                mask = np.zeros((len(paths), s + len(paths)), dtype=bool)                # [F, s + F]
                 for f, p in enumerate(paths):
-                    st.scratch[p] = len(cols) - len(paths) + f
+                    mask[f, [col for d in range(len(p) + 1) if (col := st.scratch.get(p[:d])) is not None]] = True
+                mask = torch.from_numpy(mask)
+                tokens = [tokens_all[b][n] for n in nodes]
+                positions = [positions_all[b][n] for n in nodes]
+                if self.features:  # a node reads the model's output at its parent, [1, F] each
+                    batch.features.extend(st.outputs[p[:-1]] for p in paths)
                 rows = [(b, nodes_all[b].index(n), f) for f, n in enumerate(nodes)]
             batch.request_ids.append(rid)
-            batch.tokens.append(torch.tensor(tokens))
+            batch.tokens.append(tokens)
             batch.positions.append(positions)
             batch.tree_masks.append(mask)
             batch.rows.extend(rows)
@@ -155,9 +160,10 @@ class TreeDraftRunner:
             kwargs["inputs"] = {"features": torch.cat(batch.features)}
         out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
                                  tree_masks=batch.tree_masks, **kwargs)
-        if self.features:
-            for (rid, path), (_, _, flat) in zip(batch.paths, self.frontier_rows(batch, out)):
-                self.states[rid].outputs[path] = out.hidden[flat]
+        if self.features:  # one gather, then [1, F] views
+            flat = torch.tensor([r for _, _, r in self.frontier_rows(batch, out)], device=out.hidden.device)
+            for (rid, path), row in zip(batch.paths, out.hidden.index_select(0, flat).split(1)):
+                self.states[rid].outputs[path] = row
         return out
 
     @torch.inference_mode()
@@ -223,3 +229,12 @@ class TreeDraftRunner:
             self.states.pop(rid, None)
             if rid in self.runner.cache.block_tables:
                 self.runner.release([rid])
+
+
+def _token_path(parents: list[int], tokens: list[int], node: int) -> tuple[int, ...]:
+    """The tokens from below the root down to ``node`` (the root's path is ``()``)."""
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return tuple(path[::-1])
