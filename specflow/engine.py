@@ -270,6 +270,8 @@ class SpecEngine:
             taps=needs.layer_taps if needs else ())
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
+        if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)
+            return out.logits.view(tree.batch_size, tree.num_nodes, -1)                  # [B, N, V]
         logits = out.logits.new_zeros(tree.batch_size, tree.num_nodes, out.logits.shape[-1])
         for b in range(tree.batch_size):
             rows = out.rows(b)
