@@ -45,6 +45,7 @@ class _DraftState:
     committed: int = 0                                    # tokens in the cache before the scratch
     pending: list[int] = field(default_factory=list)
     scratch: dict[tuple[int, ...], int] = field(default_factory=dict)  # token path -> scratch offset
+    visible: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # token path -> offsets of it and its ancestors
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
     last_feature: Tensor | None = None                             # [F] target feature of the token before the root
@@ -107,7 +108,7 @@ class TreeDraftRunner:
             st = self.states.setdefault(rid, _DraftState())
             if nodes == [0] and st.scratch:  # a build that never reached commit (e.g. a step given up)
                 self.runner.cache.truncate(rid, st.committed)
-                st.scratch, st.outputs = {}, {}
+                st.scratch, st.visible, st.outputs = {}, {}, {}
             fed = len(st.pending) + 1 if nodes == [0] else len(nodes)
             totals.append(self.runner.kv_len(rid) + fed)
         self.runner.cache.reserve([rid for _, rid, _ in todo], totals)
@@ -128,7 +129,7 @@ class TreeDraftRunner:
                     st.pending_features = []
                 st.committed += len(st.pending)
                 st.pending = []
-                st.scratch, st.outputs = {(): 0}, {}
+                st.scratch, st.visible, st.outputs = {(): 0}, {(): [0]}, {}
                 rows, paths = [(b, 0, len(tokens) - 1)], [()]
             else:
                 paths = [_token_path(parents_all[b], tokens_all[b], n) for n in nodes]
@@ -136,10 +137,11 @@ class TreeDraftRunner:
                     "siblings must carry distinct tokens"
                 s = len(st.scratch)
                 st.scratch.update((p, s + f) for f, p in enumerate(paths))
-                # a column is visible when its path is a prefix of the node's path (ancestor or self)
+                # a node sees its ancestors' columns and its own: its parent's row plus itself
                 mask = np.zeros((len(paths), s + len(paths)), dtype=bool)                # [F, s + F]
                 for f, p in enumerate(paths):
-                    mask[f, [col for d in range(len(p) + 1) if (col := st.scratch.get(p[:d])) is not None]] = True
+                    st.visible[p] = st.visible[p[:-1]] + [s + f]
+                    mask[f, st.visible[p]] = True
                 mask = torch.from_numpy(mask)
                 tokens = [tokens_all[b][n] for n in nodes]
                 positions = [positions_all[b][n] for n in nodes]
@@ -215,7 +217,7 @@ class TreeDraftRunner:
         if keep:
             self.runner.commit(request_id, st.committed, keep)
         st.committed += len(keep)
-        st.scratch, st.outputs = {}, {}
+        st.scratch, st.visible, st.outputs = {}, {}, {}
         if self.features:
             assert features is not None and len(features) == len(tokens), "one target feature per token"
             if keep:  # the root's entry stays; the next token reads the root's target feature
