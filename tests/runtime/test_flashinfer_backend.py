@@ -15,6 +15,7 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specflow.engine import SpecEngine
 from specflow.models import load_model
 from specflow.runtime import flashinfer_backend
 from specflow.runtime import attention
@@ -24,6 +25,7 @@ from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask,
                                                  flashinfer_supports, page_table, positions_are_indices)
 from specflow.runtime.kv_cache import PagedKVCache
 from specflow.runtime.model_runner import ModelRunner
+from specflow.sampling import SamplingParams
 from specflow.tree import ancestor_mask
 from tests.runtime.fake_flashinfer import FakeDecodeWrapper, FakePrefillWrapper
 from tests.runtime.test_attention import HKV, D, random_parents
@@ -429,6 +431,29 @@ def test_graph_runner_with_flashinfer_matches_torch(fake_flashinfer, tiny_target
     plain, graphed = graph_runners(load_model(tiny_target, device="cpu"), page_size)
     wrappers = run_graph_steps(plain, graphed, torch.Generator().manual_seed(page_size), dict(atol=1e-4, rtol=1e-4))
     assert wrappers[(4, 1, 128)].plans == wrappers[(4, 4, 128)].plans == 2
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft", "medusa"])
+def test_engine_over_flashinfer_graphs_matches_torch(fake_flashinfer, drafter):
+    """The whole engine over the fake flashinfer with CUDA graphs on (eager on CPU), drafters
+    included: their tree levels, their catch-ups of uneven lengths, tree verification and decode
+    give the torch backend's greedy output."""
+    zoo = "zoo/tiny-code"
+    node = {"eagle": {"type": "eagle", "path": f"{zoo}/eagle"},
+            "draft": {"type": "draft_model", "path": f"{zoo}/draft"},
+            "medusa": {"type": "medusa", "path": f"{zoo}/medusa"}}[drafter]
+    tree = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
+    prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 6)]
+    engines = [SpecEngine(f"{zoo}/target", node, tree, {"type": "greedy"}, device="cpu", dtype="float32",
+                          backend=backend, cuda_graphs=graphs) for backend, graphs in (("torch", False),
+                                                                                        ("flashinfer", True))]
+    outs = [engine.generate(prompts, params) for engine in engines]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert isinstance(engines[1].runner.attn, FlashinferBackend) and engines[1].runner.graphs.graphs
+    if drafter != "medusa":
+        assert isinstance(engines[1].drafter.runner.runner.attn, FlashinferBackend)
+        assert engines[1].drafter.runner.runner.graphs.graphs
 
 
 @pytest.mark.gpu
