@@ -72,11 +72,11 @@ class MedusaDrafter:
         where = ((frontier.nodes >= 0) & (depth < self.heads.num_heads)).nonzero().tolist()
         if not where:
             return Expansion(tokens, lps, probs)
-        rids = frontier.roots.request_ids
-        rows = torch.stack([self.logprobs[rids[bi]][depth[bi, fi]] for bi, fi in where])  # [R, V]
+        table = torch.stack([self.logprobs[rid] for rid in frontier.roots.request_ids])  # [B, num_heads, V]
+        bi, fi = torch.tensor(where).T
+        rows = table[bi.to(table.device), depth[bi, fi].to(table.device)]      # [R, V]: head = node depth
         kk = min(k, vocab)
         top_lp, top_tok = rows.topk(kk, dim=-1)                                 # [R, kk]
-        bi, fi = torch.tensor(where).T
         tokens[bi, fi, :kk] = top_tok.cpu()
         lps[bi, fi, :kk] = top_lp.cpu()
         if probs is not None:
