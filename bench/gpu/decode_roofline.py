@@ -18,6 +18,7 @@ import torch
 
 from specflow.bench import gpu
 from specflow.engine import SpecEngine
+from specflow.runtime.cuda_graph import kv_bucket
 from specflow.sampling import SamplingParams
 from verifiers.greedy import GreedyVerifier
 
@@ -57,8 +58,9 @@ def forward_ms(engine: SpecEngine, context: int, device: torch.device) -> dict[s
         runner.cache.truncate(rid, context)
 
     out = {"runner_forward": gpu.median_ms(forward, device, iters=50, warmup=5)}
+    shape = (1, 1, kv_bucket(context + 1))  # the decode graph ``forward`` replays
     captured = [g.graph for key, g in (runner.graphs.graphs if runner.graphs else {}).items()
-                if key[:2] == (1, 1) and g.graph is not None]  # batch 1, 1 token: the decode graph
+                if key[:3] == shape and g.graph is not None]
     if captured:
         out["graph_replay"] = gpu.median_ms(captured[0].replay, device, iters=50, warmup=5)
     runner.release([rid])
