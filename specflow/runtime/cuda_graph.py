@@ -9,7 +9,7 @@ own buffers (the backend's ``plan(batch, graph=state)``), copies the inputs into
 static buffers, then replays. Padding is rebuilt on every call, so nothing it computes reaches a
 real token:
 
-- dummy requests (token 0, position 0, a causal mask over their own tokens) read and write only
+- dummy requests (token 0, positions 0..N-1, a causal mask over their own tokens) read and write only
   the reserved padding page, which real rows never see;
 - in a causal forward whose requests send different numbers of tokens, each request is padded
   to the graph's N with tokens after its own (token 0, the next logical indices). Its real
