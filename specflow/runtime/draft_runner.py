@@ -156,18 +156,6 @@ class TreeDraftRunner:
             batch.paths.extend((rid, p) for p in paths)
         return batch
 
-    def extend(self, batch: DraftBatch, **kwargs) -> ExtendOutput:
-        """Run the model over the batch; with ``features=True`` remember each frontier node's output."""
-        if self.features:
-            kwargs["inputs"] = {"features": torch.cat(batch.features)}
-        out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
-                                 tree_masks=batch.tree_masks, **kwargs)
-        if self.features:  # one gather, then [1, F] views
-            flat = torch.tensor([r for _, _, r in self.frontier_rows(batch, out)], device=out.hidden.device)
-            for (rid, path), row in zip(batch.paths, out.hidden.index_select(0, flat).split(1)):
-                self.states[rid].outputs[path] = row
-        return out
-
     @torch.inference_mode()
     def expand(self, frontier: Frontier, compute_logits: Callable[[Tensor], Tensor], vocab_size: int,
                to_target: Callable[[Tensor], Tensor] | None = None) -> Expansion:
@@ -183,10 +171,15 @@ class TreeDraftRunner:
         batch = self.plan(frontier)
         if not batch.request_ids:
             return Expansion(tokens, lps, probs)
-        out = self.extend(batch, logits="none")
+        inputs = {"features": torch.cat(batch.features)} if self.features else None
+        out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
+                                 tree_masks=batch.tree_masks, logits="none", inputs=inputs)
         rows = self.frontier_rows(batch, out)
-        flat = torch.tensor([r for _, _, r in rows], device=out.hidden.device)
-        logprobs = torch.log_softmax(compute_logits(out.hidden[flat]).float(), -1)  # [R, V_draft]
+        hidden = out.hidden.index_select(0, torch.tensor([r for _, _, r in rows], device=out.hidden.device))  # [R, H]
+        if self.features:  # a node's children read its output: [1, F] views
+            for (rid, path), row in zip(batch.paths, hidden.split(1)):
+                self.states[rid].outputs[path] = row
+        logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
         to_target = to_target or (lambda ids: ids)
         kk = min(k, logprobs.shape[-1])
         top_lp, top_ids = logprobs.topk(kk, dim=-1)                                  # [R, kk]
