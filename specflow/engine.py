@@ -131,7 +131,7 @@ class SpecEngine:
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
-        req = Request(next(self._ids), ids, params, self.eos_token_ids)
+        req = Request(next(self._ids), ids, params, self.eos_token_ids, self.tokenizer)
         if not self.scheduler.fits_alone(req):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "
                              f"raise kv_cache_tokens")
@@ -151,7 +151,7 @@ class SpecEngine:
     def snapshot(self, request_ids: list[int]) -> list[RequestOutput]:
         """The output so far (committed tokens, text, accept lengths, logprobs) of each unfinished
         request among ``request_ids``, for streaming between steps; finished ids are skipped."""
-        return [self._requests[i].output(self._decode_fn) for i in request_ids if i in self._requests]
+        return [self._requests[i].output() for i in request_ids if i in self._requests]
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
@@ -196,10 +196,6 @@ class SpecEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    @property
-    def _decode_fn(self):
-        return self.decode if self.tokenizer is not None else None
 
     # ----------------------------------------------------------------------------------------
     # the step
@@ -303,7 +299,7 @@ class SpecEngine:
             base = req.seq_len - 1
             self.runner.commit(req.id, base, accepted)
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
-            kept = req.append(new, self._decode_fn)
+            kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
                 rows = [out.offsets[b] + node for node in accepted[:kept]]
@@ -364,7 +360,7 @@ class SpecEngine:
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
                 token = first[b]
-                req.append([token], self._decode_fn)
+                req.append([token])
                 if req.logprobs is not None:
                     req.logprobs += token_logprobs(out.logits[b:b + 1], [token], req.params.logprobs)
             if req.finished:
@@ -401,4 +397,4 @@ class SpecEngine:
         self.runner.release([req.id])
         self._release_drafter(req)
         self._requests.pop(req.id, None)
-        return req.output(self._decode_fn)
+        return req.output()

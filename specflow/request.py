@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from specflow.sampling import SamplingParams, TokenLogprob, make_generator
 from specflow.tree import StepRecord
@@ -35,12 +36,44 @@ class RequestOutput:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
 
+class TextStream:
+    """The text of a request's output ids as they are committed, as
+    ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it.
+
+    With a fast tokenizer, tokenizers' ``DecodeStream`` adds each token's new characters, so
+    streaming a running request's text costs O(new tokens) a step, not a decode of the whole
+    output. Bytes of a character not yet complete are held back. Other tokenizers (or ones that
+    clean up spaces after decoding) decode the whole output each time. ``decode`` is the exact
+    full decode: finished requests and stop strings use it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        streams = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend if streams else None
+        self._stream = DecodeStream(skip_special_tokens=True) if streams else None
+        self._text = ""
+
+    def add(self, token_id: int) -> None:
+        if self._stream is not None:
+            self._text += self._stream.step(self._backend, token_id) or ""
+
+    def text(self, ids: list[int]) -> str:
+        """The text of ``ids``, every token so far ``add``-ed."""
+        return self._text if self._stream is not None else self.decode(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Request:
     """Engine-side state of one request. ``seq`` holds prompt + generated ids; the KV cache
-    holds all of them but the last (the root of the next tree)."""
+    holds all of them but the last (the root of the next tree). With a tokenizer, the output's
+    text is kept as tokens are committed (stop strings, streaming)."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], tokenizer=None):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -55,6 +88,7 @@ class Request:
         self.text: str | None = None
         self._checked_len = 0  # decoded characters already searched for stop strings
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
 
     @property
     def seq_len(self) -> int:
@@ -64,20 +98,23 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, tokens: list[int], decode=None) -> int:
+    def append(self, tokens: list[int]) -> int:
         """Commit tokens one by one until a stop condition; returns how many were kept.
 
-        ``decode`` (ids -> str) enables stop strings; the text is cut before the stop string and
-        the ids after the token that completed it.
+        With a tokenizer, stop strings apply (checked on the exact decode, so they cost a decode
+        of the output per token): the text is cut before the stop string and the ids after the
+        token that completed it.
         """
         kept = 0
         for tok in tokens:
             self.output_ids.append(tok)
             self.seq.append(tok)
             kept += 1
+            if self.stream is not None:
+                self.stream.add(tok)
             if tok in self.stop_ids:
                 self.finish_reason = "stop"
-            elif self.params.stop and decode is not None and self._hit_stop_string(decode):
+            elif self.params.stop and self.stream is not None and self._hit_stop_string():
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
@@ -86,9 +123,9 @@ class Request:
                 break
         return kept
 
-    def _hit_stop_string(self, decode) -> bool:
+    def _hit_stop_string(self) -> bool:
         # a new match must end inside the newest token's text, so search from just before it
-        text = decode(self.output_ids)
+        text = self.stream.decode(self.output_ids)  # exact: characters still incomplete show as U+FFFD
         start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
         self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
         hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]
@@ -96,8 +133,12 @@ class Request:
             self.text = text[:min(hits)]
         return bool(hits)
 
-    def output(self, decode=None) -> RequestOutput:
-        text = self.text if self.text is not None else (decode(self.output_ids) if decode else None)
+    def output(self) -> RequestOutput:
+        """What the caller sees: a running request's text as streamed so far, a finished one's
+        exact (cut before a stop string)."""
+        text = self.text
+        if text is None and self.stream is not None:
+            text = self.stream.decode(self.output_ids) if self.finished else self.stream.text(self.output_ids)
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
                              self.finish_reason, list(self.accept_lengths), list(self.steps),
                              None if self.logprobs is None else list(self.logprobs))

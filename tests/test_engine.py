@@ -154,10 +154,10 @@ def test_stop_string_across_a_split_character(engine):
     ids = engine.tokenizer.convert_tokens_to_ids(["a", "b", "Ã", "©", "c"])  # byte-level: "é" is two tokens
     assert engine.decode(ids) == "abéc"
     for chunks in ([ids[:1], ids[1:2], ids[2:3], ids[3:4], ids[4:]], [ids]):  # token by token, or one step
-        req = Request(0, [1], SamplingParams(stop=["bé"], max_tokens=10), [])
+        req = Request(0, [1], SamplingParams(stop=["bé"], max_tokens=10), [], engine.tokenizer)
         for chunk in chunks:
-            req.append(chunk, engine.decode)
-        assert req.finished and req.output(engine.decode).text == "a"
+            req.append(chunk)
+        assert req.finished and req.output().text == "a"
 
 
 class CountingDrafter:

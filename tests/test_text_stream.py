@@ -1,0 +1,57 @@
+"""TextStream: a running request's text, streamed token by token, is always a prefix of the final
+text and equals it at the end (byte-level BPE and SentencePiece-style byte fallback)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from specflow.request import TextStream
+
+ALPHABET = "ab é日本\n:(ö)"
+
+
+def sentencepiece_like() -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: Metaspace pieces, byte fallback, the leading space stripped."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁a", "b", "▁b", "ab", "é", "▁é", "日", ":", "("]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+TOKENIZERS = {"byte-level": lambda: AutoTokenizer.from_pretrained("zoo/tiny-code/target"),
+              "sentencepiece": sentencepiece_like}
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
+def tokenizer(request):
+    return TOKENIZERS[request.param]()
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=40))
+def test_streamed_text_is_a_prefix_of_the_decode_and_ends_equal(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    final = tokenizer.decode(ids, skip_special_tokens=True)
+    stream = TextStream(tokenizer)
+    for i, token in enumerate(ids):  # never text the final decode takes back (a prefix's own
+        stream.add(token)            # decode may: byte fallback turns an unfinished character into U+FFFD)
+        assert final.startswith(stream.text(ids[:i + 1]))
+    assert stream.text(ids) == final
+    assert stream._stream is not None, "a fast tokenizer streams"
+
+
+def test_tokenizers_that_clean_up_spaces_decode_in_full():
+    tokenizer = sentencepiece_like()
+    tokenizer.clean_up_tokenization_spaces = True
+    stream = TextStream(tokenizer)
+    ids = tokenizer.encode("a (b", add_special_tokens=False)
+    for token in ids:
+        stream.add(token)
+    assert stream._stream is None and stream.text(ids) == tokenizer.decode(ids, skip_special_tokens=True)
