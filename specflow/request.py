@@ -41,10 +41,11 @@ class TextStream:
     ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it.
 
     With a fast tokenizer, tokenizers' ``DecodeStream`` adds each token's new characters, so
-    streaming a running request's text costs O(new tokens) a step, not a decode of the whole
-    output. Bytes of a character not yet complete are held back. Other tokenizers (or ones that
-    clean up spaces after decoding) decode the whole output each time. ``decode`` is the exact
-    full decode: finished requests and stop strings use it.
+    streaming a running request's text and checking its stop strings cost O(new tokens) a step,
+    not a decode of the whole output. Bytes of a character not yet complete are held back (a stop
+    string matches once its last character is whole). Other tokenizers (or ones that clean up
+    spaces after decoding) decode the whole output each time. ``decode`` is the exact full
+    decode, which finished requests get.
     """
 
     def __init__(self, tokenizer):
@@ -101,9 +102,8 @@ class Request:
     def append(self, tokens: list[int]) -> int:
         """Commit tokens one by one until a stop condition; returns how many were kept.
 
-        With a tokenizer, stop strings apply (checked on the exact decode, so they cost a decode
-        of the output per token): the text is cut before the stop string and the ids after the
-        token that completed it.
+        With a tokenizer, stop strings apply: the text is cut before the stop string and the ids
+        after the token that completed it.
         """
         kept = 0
         for tok in tokens:
@@ -125,7 +125,7 @@ class Request:
 
     def _hit_stop_string(self) -> bool:
         # a new match must end inside the newest token's text, so search from just before it
-        text = self.stream.decode(self.output_ids)  # exact: characters still incomplete show as U+FFFD
+        text = self.stream.text(self.output_ids)
         start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
         self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
         hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]
