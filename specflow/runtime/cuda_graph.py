@@ -108,7 +108,8 @@ class GraphRunner:
         width = kv_bucket(max(prefix_lens) + n)
         pad = size - b
         # row of every real token in the padded layout; each request's padding follows its tokens
-        rows = np.concatenate([np.arange(r * n, r * n + q) for r, q in enumerate(qo_lens)])       # [T]
+        rows = np.arange(b * n) if all(q == n for q in qo_lens) else \
+            np.concatenate([np.arange(r * n, r * n + q) for r, q in enumerate(qo_lens)])         # [T]
         padded_positions = np.arange(size * n) % n + np.repeat(prefix_lens + [0] * pad, n)          # logical indices
         padded_positions[rows] = positions.numpy()
         padded = ForwardBatch.build(

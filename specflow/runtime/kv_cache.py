@@ -101,11 +101,13 @@ class PagedKVCache:
                  for r, n in zip(request_ids, num_tokens)]
         if sum(extra) > self.allocator.num_free:
             raise OutOfPages(f"need {sum(extra)} more KV pages, {self.allocator.num_free} free")
+        pages, start = self.allocator.allocate(sum(extra)), 0  # one allocation for the batch
         for r, e in zip(request_ids, extra):
             if r not in self.block_tables:
                 self.block_tables[r], self.kv_lens[r] = BlockTable(), 0
             if e:
-                self.block_tables[r].extend(self.allocator.allocate(e))
+                self.block_tables[r].extend(pages[start : start + e])
+                start += e
 
     def slots(self, request_id: int, start: int, end: int) -> Tensor:
         """[end - start] slot ids of logical indices start..end-1 (must be reserved)."""
@@ -132,6 +134,9 @@ class PagedKVCache:
         ``keep`` is increasing (an accepted tree path, root first), so moving in order never
         overwrites a source before it is read. Pages past the new length return to the pool.
         """
+        table = self.block_tables[request_id]
+        if keep == [0] and self.kv_lens[request_id] == base + 1 and len(table) == self.pages_needed(base + 1):
+            return  # a decode step's root: nothing to move, nothing to free
         assert all(a < b for a, b in zip(keep, keep[1:])), "keep must be increasing"
         moved = [(o, j) for j, o in enumerate(keep) if o != j]
         if moved:
