@@ -42,10 +42,9 @@ class TextStream:
 
     With a fast tokenizer, tokenizers' ``DecodeStream`` adds each token's new characters, so
     streaming a running request's text and checking its stop strings cost O(new tokens) a step,
-    not a decode of the whole output. Bytes of a character not yet complete are held back (a stop
-    string matches once its last character is whole). Other tokenizers (or ones that clean up
-    spaces after decoding) decode the whole output each time. ``decode`` is the exact full
-    decode, which finished requests get.
+    not a decode of the whole output. Bytes of a character not yet complete are held back; while
+    they are, stop strings check a full decode (``exact``), as finished requests get one. Other
+    tokenizers (or ones that clean up spaces after decoding) decode the whole output each time.
     """
 
     def __init__(self, tokenizer):
@@ -55,14 +54,22 @@ class TextStream:
         self._backend = backend if streams else None
         self._stream = DecodeStream(skip_special_tokens=True) if streams else None
         self._text = ""
+        self._holding = False  # the last token's text is held back (it ends inside a character)
 
     def add(self, token_id: int) -> None:
         if self._stream is not None:
-            self._text += self._stream.step(self._backend, token_id) or ""
+            piece = self._stream.step(self._backend, token_id)
+            self._holding = piece is None
+            self._text += piece or ""
 
     def text(self, ids: list[int]) -> str:
-        """The text of ``ids``, every token so far ``add``-ed."""
+        """The text of ``ids``, every token so far ``add``-ed (held-back characters left out)."""
         return self._text if self._stream is not None else self.decode(ids)
+
+    def exact(self, ids: list[int]) -> str:
+        """``decode(ids)``: the streamed text, or a full decode while the stream holds back a token
+        (whose text may begin with whole characters, before the unfinished one)."""
+        return self.decode(ids) if self._stream is None or self._holding else self._text
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -125,7 +132,7 @@ class Request:
 
     def _hit_stop_string(self) -> bool:
         # a new match must end inside the newest token's text, so search from just before it
-        text = self.stream.text(self.output_ids)
+        text = self.stream.exact(self.output_ids)
         start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
         self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
         hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]

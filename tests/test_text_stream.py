@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from specflow.request import TextStream
+from specflow.request import Request, TextStream
+from specflow.sampling import SamplingParams
 
 ALPHABET = "ab é日本\n:(ö)"
 
@@ -55,3 +56,18 @@ def test_tokenizers_that_clean_up_spaces_decode_in_full():
     for token in ids:
         stream.add(token)
     assert stream._stream is None and stream.text(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_in_a_token_that_ends_inside_a_character():
+    """A token carrying whole characters and the first byte of another ("a" + 0xC3): the stream
+    holds its text back, and the stop string "a" still stops at that token."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["aÃ"] = len(vocab)  # byte-level: "Ã" is the byte 0xC3, the first of "é"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "Ã")]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    ids = [vocab["aÃ"], vocab["©"], vocab["x"]]
+    assert tokenizer.decode(ids) == "aéx"
+    req = Request(0, [1], SamplingParams(stop=["a"], max_tokens=10), [], tokenizer)
+    assert req.append(ids) == 1 and req.finished
+    assert req.output().text == "" and req.output().token_ids == ids[:1]

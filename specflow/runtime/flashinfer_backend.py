@@ -98,6 +98,7 @@ def page_table(cache: PagedKVCache, batch: ForwardBatch) -> tuple[Tensor, Tensor
     indices = np.concatenate([cache.block_tables[r].pages[:n]
                               for r, n in zip(batch.request_ids, num_pages.tolist())]).astype(np.int32)
     indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
+    assert len(indices) == indptr[-1], "a block table holds fewer pages than its KV length needs"
     last_page_len = (kv_lens - (num_pages - 1) * ps).astype(np.int32)
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len)
 
