@@ -14,6 +14,8 @@ table, of which it reads one row, plus the K/V of the mean context).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from specflow.bench import gpu
@@ -131,6 +133,8 @@ def run(args) -> dict:
     print(f"copy bandwidth {bandwidth:.1f} GB/s, {weight_bytes / 1e9:.3f} GB weights + "
           f"{kv_bytes / 1e6:.2f} MB K/V per token")
     print("ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in result["step_ms"].items()))
+    if args.profile:
+        gpu.profile_steps(engine, prompt[0].tolist(), device, Path(args.out).with_suffix(".profile.txt"))
     return gpu.write_result(args, device, dtype, "decode_roofline", result)
 
 

@@ -32,11 +32,11 @@ bench() {  # name, time limit in seconds, extra args
 case $phase in
     test)
         timeout 480 python -m pytest -m gpu -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/test-gpu.log" | tail -40 ;;
-    bench1)
-        bench decode_roofline 300 "$@"
+    bench1)  # --profile: a torch.profiler table of a few steps beside the JSON (NAME.profile.txt)
+        bench decode_roofline 300 --profile "$@"
         bench verify_step 150 "$@" ;;
     bench2)
-        bench spec_step 240 "$@"
+        bench spec_step 240 --profile "$@"
         bench tiny_family 200 "$@" ;;
     *)
         echo "unknown phase '$phase': test, bench1 or bench2" >&2

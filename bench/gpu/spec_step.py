@@ -14,6 +14,7 @@ tokens committed per step reported beside them; speedups need a trained head.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -88,6 +89,9 @@ def run(args) -> dict:
                 "is meaningless and spec_tok_s is no speedup estimate; a trained head commits "
                 "more tokens per step at the same step time",
     }
+    if args.profile:  # batch 1, where host work matters most
+        gpu.profile_steps(spec, prompts[0], device, Path(args.out).with_suffix(".profile.txt"),
+                          max_tokens_per_step=TREE["depth"] + 1)
     return gpu.write_result(args, device, dtype, "spec_step", result)
 
 

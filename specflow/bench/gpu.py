@@ -129,6 +129,31 @@ def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, devi
     return ms, tokens_per_step(out)
 
 
+def profile_steps(engine: SpecEngine, prompt: list[int], device: torch.device, path: Path, steps: int = 5,
+                  max_tokens_per_step: int = 1) -> None:
+    """torch.profiler over ``steps`` engine steps of one running request (after two warm-up steps):
+    where host and device time go, by self CPU and by device time, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.0, max_tokens=(steps + 4) * max_tokens_per_step, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    for _ in range(3):  # prefill, then warm-up steps (graph capture)
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        synchronize(device)
+    engine.abort(rid)
+    table = prof.key_averages()
+    sections = [("self CPU time", "self_cpu_time_total")]
+    if device.type == "cuda":
+        sections.append(("device time", "self_device_time_total"))
+    path.write_text("".join(f"== {steps} engine steps, by {title}\n{table.table(sort_by=key, row_limit=40)}\n"
+                            for title, key in sections))
+    print(f"wrote {path}")
+
+
 def tokens_per_step(outs) -> float:
     """Mean tokens committed per step over request outputs."""
     steps = sum(len(o.accept_lengths) for o in outs)
@@ -153,7 +178,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write (e.g. bench/results/NAME.json)")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama and short runs: a CPU smoke test")
-    p.add_argument("--backend", default="torch", help="attention backend of the engine")
+    p.add_argument("--backend", default="auto", help="attention backend of the engine (auto: flashinfer on CUDA when installed)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write a torch.profiler table of a few engine steps next to --out (NAME.profile.txt)")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="the engine's CUDA graphs (auto: on for CUDA; on a CPU, 'on' runs the padded path eagerly)")
     p.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")

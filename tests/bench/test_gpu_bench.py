@@ -47,6 +47,8 @@ def test_decode_roofline(tmp_path, graphs):
     assert positive(r["decode_tok_s"], r["hf_static_tok_s"], r["copy_bandwidth_gb_s"], r["roofline_tok_s"],
                     r["decode_vs_roofline"], r["weight_bytes_per_token"], r["mean_kv_bytes_per_token"])
     assert r["decode_vs_roofline"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+    assert {"roofline", "engine_step", "runner_forward", "engine_outside_forward"} <= r["step_ms"].keys()
+    assert positive(r["step_ms"]["engine_step"], r["step_ms"]["runner_forward"])
 
 
 @GRAPHS
@@ -59,8 +61,9 @@ def test_verify_step(tmp_path, graphs):
 
 @GRAPHS
 def test_spec_step(tmp_path, graphs):
-    r = run_tiny("spec_step", tmp_path, "--cuda-graphs", graphs)
-    assert r["cuda_graphs"] == (graphs == "on")
+    r = run_tiny("spec_step", tmp_path, "--cuda-graphs", graphs, "--profile")
+    assert r["cuda_graphs"] == r["drafter_cuda_graphs"] == (graphs == "on")
+    assert "5 engine steps, by self CPU time" in (tmp_path / "spec_step.profile.txt").read_text()
     assert r["tree"] == {"type": "eagle2", "topk": 8, "depth": 5, "num_draft_tokens": 64}
     assert positive(r["decode_step_ms"], r["spec_step_ms"], r["spec_step_ratio"], r["spec_step_tokens_per_step"])
     assert [row["batch_size"] for row in r["throughput"]] == r["shapes"]["batch_sizes"]
@@ -92,6 +95,8 @@ def test_hf_llama_shares_weights_and_matches_logits():
     model = gpu.random_llama(cfg, torch.device("cpu"), torch.float32)
     hf = gpu.hf_llama(model)
     assert hf.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight  # q/k/v are views of the stacked tensor
+    assert hf.model.layers[0].self_attn.v_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     with torch.inference_mode():
         hidden, _ = model(ids[0], torch.arange(12), _CausalAttention())
