@@ -122,6 +122,7 @@ def run(args) -> dict:
                     "engine_outside_forward": step - times["runner_forward"]},
         "goal": f"decode_vs_roofline >= {GOAL}",
         "cuda_graphs": engine.runner.graphs is not None,
+        "attention": type(engine.runner.attn).__name__,  # what backend "auto" resolved to
         "hf_compiled": device.type == "cuda" and not args.hf_eager,
         "note": ("bandwidth counts read + write bytes of a device-to-device copy; on CUDA transformers "
                  "compiles its static-cache decode step itself (auto-compile) unless --hf-eager, and "

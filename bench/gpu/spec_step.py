@@ -77,6 +77,7 @@ def run(args) -> dict:
         "tree": {"type": "eagle2", **TREE},
         "verifier": "greedy",
         "cuda_graphs": spec.runner.graphs is not None,
+        "attention": type(spec.runner.attn).__name__,  # what backend "auto" resolved to
         "drafter_cuda_graphs": drafter.runner.runner.graphs is not None,
         "shapes": {"prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"], "batch_sizes": s["batch_sizes"],
                    "iters": s["iters"], "warmup": s["warmup"], "repeats": s["repeats"]},

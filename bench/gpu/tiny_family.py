@@ -95,6 +95,7 @@ def run(args) -> dict:
     result = {
         "target": target, "hf_assistant": assistant, "config": CONFIG,
         "cuda_graphs": engines["baseline"].runner.graphs is not None,
+        "attention": type(engines["baseline"].runner.attn).__name__,  # what backend "auto" resolved to
         "pipelines": {p.name: {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier} for p in pipelines},
         "shapes": {"batch_size": 1, "num_prompts": len(prompts), "prompt_suite": cfg.prompts.suite,
                    "max_tokens": max_tokens, "repeats": s["repeats"]},

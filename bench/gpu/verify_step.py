@@ -78,6 +78,7 @@ def run(args) -> dict:
                    "tree_depth": s["depth"], "iters": s["iters"], "warmup": s["warmup"]},
         "decode_step_ms": decode_ms,
         "cuda_graphs": runner.graphs is not None,
+        "attention": type(runner.attn).__name__,  # what backend "auto" resolved to
         "verify_step_ms": {str(r["nodes"]): r["verify_ms"] for r in rows},
         "verify_step_ratio": {str(r["nodes"]): r["ratio"] for r in rows},
         "goal": f"verify_step_ratio['64'] <= {GOAL}",

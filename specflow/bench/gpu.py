@@ -206,8 +206,13 @@ def environment(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     """What a result was measured on."""
     import transformers
 
+    try:
+        import flashinfer
+        flashinfer_version = flashinfer.__version__
+    except (ImportError, OSError):
+        flashinfer_version = None
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__, "flashinfer": flashinfer_version,
             "cuda": torch.version.cuda, "backend": args.backend,
             "dtype": str(dtype).removeprefix("torch."), "tiny": args.tiny}
 

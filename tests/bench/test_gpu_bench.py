@@ -13,7 +13,7 @@ from specflow.bench import gpu
 from specflow.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV_KEYS = {"bench", "device", "torch", "transformers", "backend", "dtype", "tiny", "note"}
+ENV_KEYS = {"bench", "device", "torch", "transformers", "flashinfer", "backend", "attention", "dtype", "tiny", "note"}
 
 
 def script(name: str):
