@@ -47,7 +47,9 @@ class Frontier:
     """Nodes of partially built trees that a builder asks a drafter to expand.
 
     ``tree`` holds the first n nodes built so far (its ``mask`` and ``draft_probs`` may be None);
-    ``nodes[b, f]`` indexes into it, -1 where request b has fewer than F nodes to expand.
+    ``nodes[b, f]`` indexes into it, -1 where request b has fewer than F nodes to expand. Within
+    one build a node keeps its index (builders append nodes and may renumber only after their
+    last expansion, as EAGLE-2's rerank does): model drafters find a node's parent by index.
     """
 
     roots: Roots

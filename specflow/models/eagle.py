@@ -96,9 +96,10 @@ class EagleHead(nn.Module):
         embeds = self.target_modules[0](input_ids)                        # [T, H]
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], -1))   # [T, 2H] -> [T, H]
         rotary = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotary, attn)
-        return x, []
+            x, residual = layer(x, residual, rotary, attn)
+        return x + residual, []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., H] -> [..., draft vocab]."""

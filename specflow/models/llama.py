@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from specflow.models.config import ModelConfig
-from specflow.models.kernels import rms_norm, rope, silu_and_mul
+from specflow.models.kernels import add_rms_norm, rms_norm, rope, silu_and_mul
 from specflow.models.rope import Rotary, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -31,8 +31,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """``norm(x)``; given the residual stream, ``(norm(residual + x), residual + x)`` in one
+        fused pass (``kernels.add_rms_norm``: may overwrite x and residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class PackedProjections(nn.Module):
@@ -148,7 +152,13 @@ class LlamaMLP(PackedProjections):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels as two terms, so each norm adds them in one fused pass: the
+    state entering this layer is ``x + residual`` (``x`` alone at the first layer, where
+    ``residual`` is None), and the layer returns the same pair for the next one, (MLP output,
+    stream before it). The fused norms may overwrite both terms in place.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -157,9 +167,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary,
+                attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rotary, attn), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -207,11 +222,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                          # [T, H]
         rotary = self.model.rotary_emb(positions, h.dtype)              # cos, sin [T, D]
         tapped: dict[int, Tensor] = {}
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            if i in taps:
-                tapped[i] = h
-            h = layer(h, rotary, attn)
-        h = self.model.norm(h)
+            if i in taps:  # a new tensor: the fused norms overwrite the stream's terms in place
+                tapped[i] = h.clone() if residual is None else h + residual
+            h, residual = layer(h, residual, rotary, attn)
+        h, _ = self.model.norm(h, residual)
         tapped[num_layers] = h
         return h, [tapped[i] for i in taps]
 

@@ -1,5 +1,7 @@
 """kernels.py: on CPU the torch code (equal to transformers bit for bit, flashinfer never called);
-on CUDA, flashinfer's RMSNorm, RoPE and SiLU-and-mul against float32 references and the torch path."""
+on CUDA, flashinfer's RMSNorm (plain and fused with the residual add), RoPE and SiLU-and-mul against float32 references and the torch path."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -7,6 +9,7 @@ from torch.testing import assert_close
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from specflow.models import LlamaForCausalLM, ModelConfig, kernels
+from specflow.models.eagle import EagleHead
 from specflow.models.rope import Rotary, RotaryEmbedding, apply_rotary
 from specflow.runtime.flashinfer_backend import flashinfer_available
 from specflow.runtime.model_runner import ModelRunner
@@ -44,6 +47,49 @@ def test_rms_norm_on_cpu_equals_transformers(dtype, shape, flashinfer_everywhere
         hf.weight.copy_(1 + torch.randn(shape[-1], generator=g) * 0.1)
     with torch.inference_mode():
         assert torch.equal(kernels.rms_norm(x, hf.weight, 1e-6), hf(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_on_cpu_adds_then_normalizes_as_transformers(dtype, flashinfer_everywhere):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(2, 7, 48, generator=g) * 3).to(dtype)
+    hf = LlamaRMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(1 + torch.randn(48, generator=g) * 0.1)
+    with torch.inference_mode():
+        normed, stream = kernels.add_rms_norm(x, residual, hf.weight, 1e-6)
+        assert torch.equal(stream, residual + x) and torch.equal(normed, hf(residual + x))
+
+
+def inplace_add_rms_norm(x, residual, weight, eps):
+    """flashinfer.fused_add_rmsnorm's contract on any device: both results written in place."""
+    residual.add_(x)
+    x.copy_(kernels.torch_rms_norm(residual, weight, eps))
+    return x, residual
+
+
+def test_in_place_fused_norms_leave_outputs_and_taps_unchanged(monkeypatch):
+    """The fused kernel overwrites the stream's terms: the forward (taps included, also the
+    embedding's) and an EAGLE head (layer 0 without input norm) must read neither again."""
+    import specflow.models.llama as llama
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    head = EagleHead(dataclasses.replace(cfg, num_hidden_layers=2), model.embed_tokens, model.lm_head).eval()
+    tokens, taps = [[5, 9, 2, 7, 7, 1]], (0, 2, 4)
+    features = torch.randn(6, 32)
+
+    def run():
+        out = ModelRunner(model, num_pages=32).extend([0], tokens, taps=taps)
+        drafted = ModelRunner(head, num_pages=32).extend([0], tokens, logits="none", inputs={"features": features})
+        return [out.logits, out.hidden, *out.taps, drafted.hidden]
+
+    expected = run()
+    monkeypatch.setattr(llama, "add_rms_norm", inplace_add_rms_norm)
+    for got, want in zip(run(), expected):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,6 +151,24 @@ def test_flashinfer_rms_norm(dtype, shape, monkeypatch):
     eps = torch.finfo(dtype).eps
     assert_close(fast.float(), exact, rtol=eps, atol=1e-5)  # one rounding: within half an ulp
     assert_close(fast, kernels.torch_rms_norm(x, w, 1e-6), rtol=2 * eps, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_add_rms_norm(dtype, monkeypatch):
+    calls = spy(monkeypatch, "fused_add_rmsnorm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, residual = (torch.randn(2, 37, 4096, generator=g, device="cuda") * 3).to(dtype)
+    w = (1 + torch.randn(4096, generator=g, device="cuda") * 0.1).to(dtype)
+    stream = residual + x  # torch rounds the sum once, as the kernel does
+    with torch.inference_mode():
+        normed, fused_stream = kernels.add_rms_norm(x.clone(), residual.clone(), w, 1e-6)
+    assert calls and torch.equal(fused_stream, stream)
+    exact = torch.nn.functional.rms_norm(stream.float(), (4096,), w.float(), 1e-6)
+    eps = torch.finfo(dtype).eps
+    assert_close(normed.float(), exact, rtol=eps, atol=1e-5)  # as rms_norm: one rounding
+    assert_close(normed, kernels.torch_rms_norm(stream, w, 1e-6), rtol=2 * eps, atol=1e-5)
 
 
 @pytest.mark.gpu
