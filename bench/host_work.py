@@ -1,0 +1,96 @@
+"""Host work per engine step: the time an EAGLE-2 speculative step (and a plain decode step)
+spends outside the model forwards, at several batch sizes.
+
+    .venv/bin/python bench/host_work.py                     # batch 1, 8, 32 on this CPU
+    .venv/bin/python bench/host_work.py --batch-sizes 1 64 --steps 50
+
+Target and EAGLE head are tiny random models (``bench/gpu/spec_step.py --tiny``'s), so their
+forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). Each
+forward of a graph (``GraphRunner._run``: what a graph replay runs on a GPU) is timed and
+subtracted from the step: what is left is the engine's, builder's, drafter's, runner's and
+attention planner's host work, which a GPU step adds to its kernels. One thread, best of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+from spec_step import TREE, random_eagle_head  # noqa: E402
+
+from drafters.eagle import EagleDrafter  # noqa: E402
+from specflow.bench import gpu  # noqa: E402
+from specflow.engine import SpecEngine  # noqa: E402
+from specflow.runtime.cuda_graph import GraphRunner  # noqa: E402
+from specflow.sampling import SamplingParams  # noqa: E402
+from trees.eagle2 import Eagle2Builder  # noqa: E402
+from verifiers.greedy import GreedyVerifier  # noqa: E402
+
+
+class ForwardTimer:
+    """Seconds spent inside graph forwards (``GraphRunner._run``) while in its ``with`` block."""
+
+    def __enter__(self) -> "ForwardTimer":
+        self.seconds, self._run = 0.0, GraphRunner._run
+        run = self._run
+
+        def timed(runner, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = run(runner, *args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        GraphRunner._run = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        GraphRunner._run = self._run
+
+
+def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ForwardTimer, prompt_len: int = 16) -> float:
+    """Best of 3: milliseconds per step outside the model forwards, ``batch`` requests running."""
+    vocab = engine.runner.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=10 * (steps + 4) * (TREE["depth"] + 1), ignore_eos=True)
+    rids = [engine.add_request(torch.randint(3, vocab, (prompt_len,)).tolist(), params) for _ in range(batch)]
+    for _ in range(4):  # prefill, then steps that record every graph shape
+        engine.step()
+    best = float("inf")
+    for _ in range(3):
+        timer.seconds, t0 = 0.0, time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        best = min(best, (time.perf_counter() - t0 - timer.seconds) / steps * 1e3)
+    for rid in rids:
+        engine.abort(rid)
+    return best
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    device, dtype = torch.device("cpu"), torch.float32
+    target = gpu.random_llama(gpu.llama_config(True), device, dtype)
+    max_b = max(args.batch_sizes)
+    kv_tokens = max_b * 10 * (16 + (args.steps + 8) * (TREE["depth"] + 1) + 2 * TREE["num_draft_tokens"])
+    common = dict(backend="torch", cuda_graphs=True, kv_cache_tokens=kv_tokens, max_batch_size=max_b)
+    plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
+    drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
+    spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
+    with ForwardTimer() as timer:
+        rows = [{"batch_size": b, "decode_host_ms": host_ms(plain, b, args.steps, timer),
+                 "spec_host_ms": host_ms(spec, b, args.steps, timer)} for b in args.batch_sizes]
+    gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms"])
+    return rows
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # host work is single-threaded Python: keep torch's ops so too
+    main()
