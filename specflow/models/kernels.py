@@ -19,9 +19,10 @@ How the fast path differs numerically (both within ~1 bf16 ulp of the torch path
   float32 and rounds once; torch rounds silu(gate) before the product.
 
 - ``add_rms_norm``: ``flashinfer.fused_add_rmsnorm`` adds the residual and normalizes in one pass,
-  in place: the sum is rounded to the model dtype as torch rounds it, and the norm is
-  ``rms_norm``'s kernel. The decoder layers keep the residual stream as two terms for it
-  (``LlamaDecoderLayer``), which saves an add kernel before every norm.
+  in place: the new residual is the float32 sum rounded to the model dtype (as torch's add), and
+  the norm reads the float32 sum before that rounding (torch normalizes the rounded sum). The
+  decoder layers keep the residual stream as two terms for it (``LlamaDecoderLayer``), which
+  saves an add kernel before every norm.
 """
 
 from __future__ import annotations

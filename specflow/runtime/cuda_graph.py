@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.attention import ForwardBatch
+from specflow.runtime.kv_cache import OutOfPages
 
 T = TypeVar("T")
 PAD_REQUEST = -1  # cache entry owning the padding page(s) of every graph
@@ -83,7 +84,12 @@ class GraphRunner:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # the padding rows' own page(s): their K/V is written there and nowhere else
-        runner.cache.reserve([PAD_REQUEST], [max_tokens_per_request])
+        try:
+            runner.cache.reserve([PAD_REQUEST], [max_tokens_per_request])
+        except OutOfPages as e:
+            raise ValueError(f"CUDA graphs pad batches with a request of {max_tokens_per_request} tokens, which "
+                             f"this KV pool cannot hold ({e}): give the model more KV cache tokens "
+                             "(kv_cache_tokens) or turn cuda_graphs off") from None
 
     def tokens_per_request(self, qo_lens: list[int], tree_masks: list[Tensor | None]) -> int | None:
         """The N of the graph that runs this forward, or None when it must run eagerly (too many

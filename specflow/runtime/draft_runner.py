@@ -54,7 +54,7 @@ class Scratch:
         self.token = np.zeros(64, dtype=np.int64)         # [S] token of each entry
         self.parent = np.full(64, -1, dtype=np.int64)     # [S] entry of its parent, -1 at the root
         self.visible = np.zeros((64, 64), dtype=bool)     # [S, S] entry i sees entry j (itself, ancestors)
-        self.out_row = np.zeros(64, dtype=np.int64)       # [S] features=True: row of its output in the runner's
+        self.out_row = np.zeros(64, dtype=np.int64)       # [S] features=True: row of its output in runner.outputs
         self.node = np.full(512, -1, dtype=np.int64)      # [C] tree node -> entry, -1 where not fed
 
     def start(self, root_token: int) -> None:
@@ -73,7 +73,7 @@ class Scratch:
         parents = self.node[parent_nodes]                                            # [F] entries
         assert (parents >= 0).all() and (self.token[parents] == parent_tokens).all(), \
             "a frontier node's parent must have been fed earlier in the build, at the same node index"
-        assert (self.node[nodes] < 0).all(), "a tree node is fed once per build"
+        assert (self.node[nodes] < 0).all() and len(np.unique(nodes)) == f, "a tree node is fed once per build"
         new = np.arange(self.size, self.size + f)
         self.node[nodes], self.token[new], self.parent[new] = new, tokens, parents
         self.visible[new] = self.visible[parents]  # a node sees what its parent sees, and itself
@@ -138,7 +138,7 @@ class DraftBatch:
     row: list[np.ndarray] = field(default_factory=list)
     entries: list[tuple[Scratch, np.ndarray]] = field(default_factory=list)  # per request, fed entries
     features: list = field(default_factory=list)  # features=True: [n, F] chunks or rows of the runner's outputs
-    new_build: bool = False                       # every request feeds its root: a new tree
+    new_build: bool = False                       # every tree starts here: earlier outputs are dead
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return np.concatenate(self.b), np.concatenate(self.f), np.concatenate(self.row)
@@ -194,7 +194,11 @@ class TreeDraftRunner:
         self.runner.cache.reserve([rid for _, rid, _, _ in todo], totals)
         tokens_all, parents_all = tree.tokens.cpu().numpy(), tree.parents.cpu().numpy()  # [B, n]
         positions_all = tree.positions.cpu().numpy() - self.shift                        # [B, n]
-        batch = DraftBatch(new_build=all(root for *_, root in todo))
+        fed = {rid for _, rid, _, _ in todo}
+        # a new build when every fed request starts a tree and no other is inside one
+        new_build = all(root for *_, root in todo) and \
+            not any(st.scratch.size for rid, st in self.states.items() if rid not in fed)
+        batch = DraftBatch(new_build=new_build)
         start = 0  # first row of this request in the forward's output
         for b, rid, fs, root in todo:
             st = self.states[rid]

@@ -16,6 +16,7 @@ from tests.drafters.fitted import fit, target_states, trajectories
 from tests.models.random_heads import eagle_state, head_hf, write_checkpoint
 from trees.chain import ChainBuilder
 from trees.eagle2 import Eagle2Builder
+from trees.growth import GrowingTree
 from trees.static import StaticBuilder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -42,6 +43,29 @@ def plain(target):
 def engine(target, tree, **drafter):
     return SpecEngine(target, drafter={"type": "eagle", "kv_cache_tokens": 1024, **drafter}, tree=tree,
                       verifier={"type": "greedy"}, kv_cache_tokens=1024, record_steps=True)
+
+
+def test_a_root_expanded_again_leaves_other_trees_intact(target, head_dir):
+    """One request restarts its tree (its root fed again) while another's tree goes on: the
+    other request's next level reads the head outputs of its own tree, as without the restart."""
+    features = feature_table(target.config.hidden_size)
+
+    def children_of_node_1(frontiers: list[list[list[int]]]):
+        drafter = EagleDrafter(load_eagle(head_dir, target), kv_cache_tokens=512)
+        drafter.begin(target_features(drafter, [0, 1], [c[:-1] for c in CONTEXTS], [0, 0],
+                                      [c[-1] for c in CONTEXTS], features))
+        grow = GrowingTree(roots_for(CONTEXTS), 8)
+        for rows in frontiers:
+            nodes = torch.tensor(rows)
+            tokens, logprobs, sampled = grow.expand(drafter, nodes, 2)
+            if grow.size == 1:  # the first expansion: the roots' children become nodes 1, 2
+                grow.add(nodes.repeat_interleave(2, 1), tokens.flatten(1), logprobs.flatten(1), sampled.flatten(1))
+        return tokens[1, 0], logprobs[1, 0]
+
+    alone = children_of_node_1([[[0], [0]], [[-1], [1]]])
+    restarted = children_of_node_1([[[0], [0]], [[0], [-1]], [[-1], [1]]])
+    assert torch.equal(restarted[0], alone[0])
+    torch.testing.assert_close(restarted[1], alone[1])
 
 
 @pytest.mark.parametrize("builder", BUILDERS, ids=["chain", "static", "eagle2"])

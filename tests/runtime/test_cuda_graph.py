@@ -24,6 +24,12 @@ def test_capture_sizes_and_buckets():
     assert [token_bucket(n, 48) for n in (1, 2, 3, 5, 33, 48)] == [1, 2, 4, 8, 48, 48]
 
 
+def test_a_pool_too_small_for_the_padding_request_is_a_clear_error(tiny_target):
+    model = load_model(tiny_target)
+    with pytest.raises(ValueError, match="pad batches with a request of 64 tokens.*kv_cache_tokens"):
+        ModelRunner(model, num_pages=32).enable_graphs(4, 64)
+
+
 def test_row_graphs_pad_rows_and_drop_them():
     weight = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     calls = []
