@@ -52,11 +52,19 @@ class ForwardTimer:
         GraphRunner._run = self._run
 
 
-def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ForwardTimer, prompt_len: int = 16) -> float:
+PROMPT_LEN = 16
+
+
+def max_new_tokens(steps: int) -> int:
+    """Tokens a request may commit in ``host_ms``: 4 + 3 x steps engine steps of at most depth + 1."""
+    return (4 + 3 * steps) * (TREE["depth"] + 1)
+
+
+def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ForwardTimer) -> float:
     """Best of 3: milliseconds per step outside the model forwards, ``batch`` requests running."""
     vocab = engine.runner.model.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=10 * (steps + 4) * (TREE["depth"] + 1), ignore_eos=True)
-    rids = [engine.add_request(torch.randint(3, vocab, (prompt_len,)).tolist(), params) for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(steps), ignore_eos=True)
+    rids = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,)).tolist(), params) for _ in range(batch)]
     for _ in range(4):  # prefill, then steps that record every graph shape
         engine.step()
     best = float("inf")
@@ -65,6 +73,7 @@ def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ForwardTimer, pro
         for _ in range(steps):
             engine.step()
         best = min(best, (time.perf_counter() - t0 - timer.seconds) / steps * 1e3)
+    assert len(engine.scheduler.running) == batch, "a request finished or was preempted while timed"
     for rid in rids:
         engine.abort(rid)
     return best
@@ -79,7 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device, dtype = torch.device("cpu"), torch.float32
     target = gpu.random_llama(gpu.llama_config(True), device, dtype)
     max_b = max(args.batch_sizes)
-    kv_tokens = max_b * 10 * (16 + (args.steps + 8) * (TREE["depth"] + 1) + 2 * TREE["num_draft_tokens"])
+    # per request: prompt, output, one tree, and the graphs' padding of a tree level
+    kv_tokens = max_b * (PROMPT_LEN + max_new_tokens(args.steps) + 2 * TREE["num_draft_tokens"])
     common = dict(backend="torch", cuda_graphs=True, kv_cache_tokens=kv_tokens, max_batch_size=max_b)
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
