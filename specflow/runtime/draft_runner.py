@@ -28,8 +28,8 @@ the model as ``features`` (SafeAILab/EAGLE ``topK_genrate``, SGLang's draft exte
   the accepted drafts are queued again with their target features and recomputed at the next
   expansion.
 
-Host work per expansion is numpy per request, never per node or per scratch entry, so it stays
-small next to the drafter's forward at large batches.
+Host work per expansion is numpy over the whole batch (Python per request only for requests
+starting a tree), so it stays small next to the drafter's forward at large batches.
 """
 
 from __future__ import annotations
@@ -46,51 +46,73 @@ from specflow.tree import Expansion, Frontier
 
 
 class Scratch:
-    """The tree nodes one build fed for a request, in feeding order; entry 0 is the root, and
-    ``size == 0`` between builds. Its arrays outlive builds (they only grow)."""
+    """The tree nodes every request fed in its current build, in feeding order. A request owns a
+    slot s: ``size[s]`` entries, entry 0 its root (``size[s] == 0`` between builds). Arrays grow,
+    never shrink; all work is per batch, never per request or per node."""
 
-    def __init__(self):
-        self.size = 0
-        self.token = np.zeros(64, dtype=np.int64)         # [S] token of each entry
-        self.parent = np.full(64, -1, dtype=np.int64)     # [S] entry of its parent, -1 at the root
-        self.visible = np.zeros((64, 64), dtype=bool)     # [S, S] entry i sees entry j (itself, ancestors)
-        self.out_row = np.zeros(64, dtype=np.int64)       # [S] features=True: row of its output in runner.outputs
-        self.node = np.full(512, -1, dtype=np.int64)      # [C] tree node -> entry, -1 where not fed
+    def __init__(self, slots: int = 8, entries: int = 64, nodes: int = 512):
+        self.size = np.zeros(slots, dtype=np.int64)                       # [R] entries of each slot's build
+        self.token = np.zeros((slots, entries), dtype=np.int64)           # [R, S] token of each entry
+        self.parent = np.full((slots, entries), -1, dtype=np.int64)       # [R, S] entry of its parent, -1 at the root
+        self.visible = np.zeros((slots, entries, entries), dtype=bool)    # [R, S, S] entry i sees entry j (itself, ancestors)
+        self.node = np.full((slots, nodes), -1, dtype=np.int64)           # [R, C] tree node -> entry, -1 where not fed
+        self.out_row = np.zeros((slots, entries), dtype=np.int64)         # [R, S] features=True: row of its output in runner.outputs
+        self.epoch = np.full(slots, -1, dtype=np.int64)                   # [R] features=True: the outputs out_row indexes
+        self._free = list(range(slots - 1, -1, -1))
 
-    def start(self, root_token: int) -> None:
-        """Begin a build: the root alone."""
-        assert self.size == 0, "clear() ends a build"
-        self.size = 1
-        self.token[0], self.parent[0], self.visible[0, 0], self.node[0] = root_token, -1, True, 0
+    def acquire(self) -> int:
+        """A free slot for a new request."""
+        if not self._free:
+            r = len(self.size)
+            self._fit(r + 1, self.token.shape[1], self.node.shape[1])
+            self._free = list(range(len(self.size) - 1, r - 1, -1))
+        return self._free.pop()
 
-    def feed(self, nodes: np.ndarray, tokens: np.ndarray, parent_nodes: np.ndarray,
-             parent_tokens: np.ndarray, tree_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Add tree ``nodes`` [F] with their ``tokens`` [F] under ``parent_nodes`` [F] (carrying
-        ``parent_tokens``) of a tree of ``tree_size`` nodes so far; returns their entries [F]
-        and mask rows [F, size] over the scratch."""
-        f = len(nodes)
-        self._fit(self.size + f, tree_size)
-        parents = self.node[parent_nodes]                                            # [F] entries
-        assert (parents >= 0).all() and (self.token[parents] == parent_tokens).all(), \
+    def release(self, slot: int) -> None:
+        self.clear(slot)
+        self._free.append(slot)
+
+    def start(self, slots: np.ndarray, root_tokens: np.ndarray) -> None:
+        """Begin a build in each of ``slots`` [N]: the root alone, with ``root_tokens`` [N]."""
+        assert not self.size[slots].any(), "clear() ends a build"
+        self.size[slots], self.token[slots, 0], self.parent[slots, 0] = 1, root_tokens, -1
+        self.visible[slots, 0, 0], self.node[slots, 0] = True, 0
+
+    def feed(self, slots: np.ndarray, nodes: np.ndarray, tokens: np.ndarray,
+             parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Add the tree ``nodes`` [N, F] (-1: none) of the requests in ``slots`` [N], whose trees
+        so far have ``tokens`` [N, n] and ``parents`` [N, n]. Returns the fed nodes, row-major:
+        their row and column in ``nodes`` and their entries, each [K]; a slot's new entries are
+        consecutive."""
+        fed = nodes >= 0                                                        # [N, F]
+        first, end = self.size[slots], self.size[slots] + fed.sum(1)            # [N] each slot's new entries
+        self._fit(len(self.size), int(end.max()), tokens.shape[1])
+        n, f = np.nonzero(fed)                                                  # [K]
+        s, node = slots[n], nodes[n, f]                                         # [K]
+        entry = first[n] + np.cumsum(fed, 1)[n, f] - 1                          # [K]
+        parent_node = parents[n, node]                                          # [K]
+        parent = self.node[s, parent_node]                                      # [K] entries
+        assert (parent >= 0).all() and (self.token[s, parent] == tokens[n, parent_node]).all(), \
             "a frontier node's parent must have been fed earlier in the build, at the same node index"
-        assert (self.node[nodes] < 0).all() and len(np.unique(nodes)) == f, "a tree node is fed once per build"
-        new = np.arange(self.size, self.size + f)
-        self.node[nodes], self.token[new], self.parent[new] = new, tokens, parents
-        self.visible[new] = self.visible[parents]  # a node sees what its parent sees, and itself
-        self.visible[new, new] = True
-        self.size += f
-        return new, self.visible[new, : self.size]
+        assert (self.node[s, node] < 0).all(), "a tree node is fed once per build"
+        self.node[s, node], self.token[s, entry], self.parent[s, entry] = entry, tokens[n, node], parent
+        assert (self.node[s, node] == entry).all(), "a tree node is fed once per build (twice in a frontier)"
+        self.visible[s, entry] = self.visible[s, parent]  # a node sees what its parent sees, and itself
+        self.visible[s, entry, entry] = True
+        self.size[slots] = end
+        return n, f, entry
 
-    def clear(self) -> None:
-        """End the build."""
-        self.visible[: self.size, : self.size] = False
-        self.node.fill(-1)
-        self.size = 0
+    def clear(self, slots) -> None:
+        """End the build of a slot (or of an array of slots)."""
+        m = int(np.max(self.size[slots], initial=0))
+        self.visible[slots, :m, :m] = False
+        self.node[slots] = -1
+        self.size[slots] = 0
 
-    def path(self, tokens: list[int]) -> list[int]:
+    def path(self, slot: int, tokens: list[int]) -> list[int]:
         """Entries of the longest fed prefix of a token path (``tokens[0]`` is the root)."""
         entries = [0]
-        token, parent = self.token[: self.size], self.parent[: self.size]
+        token, parent = self.token[slot, : self.size[slot]], self.parent[slot, : self.size[slot]]
         for t in tokens[1:]:
             hit = np.flatnonzero((parent == entries[-1]) & (token == t))
             if not len(hit):
@@ -98,13 +120,20 @@ class Scratch:
             entries.append(int(hit[0]))  # siblings with one token share their K/V: any will do
         return entries
 
-    def _fit(self, entries: int, nodes: int) -> None:
-        if nodes > len(self.node):
-            self.node = _grown(self.node, (max(nodes, 2 * len(self.node)),), -1)
-        if entries > len(self.token):
-            cap = max(entries, 2 * len(self.token))
-            self.token, self.parent = _grown(self.token, (cap,), 0), _grown(self.parent, (cap,), -1)
-            self.out_row, self.visible = _grown(self.out_row, (cap,), 0), _grown(self.visible, (cap, cap), False)
+    def _fit(self, slots: int, entries: int, nodes: int) -> None:
+        have = (len(self.size), self.token.shape[1], self.node.shape[1])
+        if slots <= have[0] and entries <= have[1] and nodes <= have[2]:
+            return
+        r, s, c = (h if n <= h else max(n, 2 * h) for n, h in zip((slots, entries, nodes), have))  # at least double
+        self.size, self.epoch = _grown(self.size, (r,), 0), _grown(self.epoch, (r,), -1)
+        self.token, self.parent = _grown(self.token, (r, s), 0), _grown(self.parent, (r, s), -1)
+        self.out_row, self.node = _grown(self.out_row, (r, s), 0), _grown(self.node, (r, c), -1)
+        self.visible = _grown(self.visible, (r, s, s), False)
+
+
+def _split(a: np.ndarray, ends: list[int]) -> list[np.ndarray]:
+    """``a`` cut before each of ``ends`` (np.split costs more for a few pieces)."""
+    return [a[i:j] for i, j in zip([0, *ends], ends)]
 
 
 def _grown(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
@@ -115,33 +144,44 @@ def _grown(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
 
 @dataclass
 class _DraftState:
+    slot: int                                             # the request's rows of the runner's Scratch
     committed: int = 0                                    # tokens in the cache before the scratch
     pending: list[int] = field(default_factory=list)
-    scratch: Scratch = field(default_factory=Scratch)    # the current build's fed nodes
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
     last_feature: Tensor | None = None                             # [F] target feature of the token before the root
-    epoch: int = -1                                       # the runner's outputs that scratch.out_row indexes
 
 
 @dataclass
 class DraftBatch:
-    """What one expansion sends to the drafter model, before its forward."""
+    """What one expansion sends to the drafter model, before its forward: requests starting a
+    tree first, then requests inside one."""
 
     request_ids: list[int] = field(default_factory=list)
     tokens: list = field(default_factory=list)            # per request, q ids
     positions: list = field(default_factory=list)         # per request, q positions
     tree_masks: list[Tensor | None] = field(default_factory=list)
-    # per fed frontier node (concatenated by ``rows``): its (b, f) and its row in the forward's output
+    # per fed frontier node, in chunks: its (b, f), its row in the forward's output, its scratch (slot, entry)
     b: list[np.ndarray] = field(default_factory=list)
     f: list[np.ndarray] = field(default_factory=list)
     row: list[np.ndarray] = field(default_factory=list)
-    entries: list[tuple[Scratch, np.ndarray]] = field(default_factory=list)  # per request, fed entries
+    slot: list[np.ndarray] = field(default_factory=list)
+    entry: list[np.ndarray] = field(default_factory=list)
     features: list = field(default_factory=list)  # features=True: [n, F] chunks or rows of the runner's outputs
     new_build: bool = False                       # every tree starts here: earlier outputs are dead
 
+    def add_nodes(self, b: np.ndarray, f: np.ndarray, row: np.ndarray, slot: np.ndarray, entry: np.ndarray) -> None:
+        """One chunk of fed nodes, each array [K]."""
+        for chunks, x in zip((self.b, self.f, self.row, self.slot, self.entry), (b, f, row, slot, entry)):
+            chunks.append(x)
+
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The fed nodes' (b, f) and rows in the forward's output, each [K]."""
         return np.concatenate(self.b), np.concatenate(self.f), np.concatenate(self.row)
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """The fed nodes' scratch (slot, entry), each [K]."""
+        return np.concatenate(self.slot), np.concatenate(self.entry)
 
 
 class TreeDraftRunner:
@@ -152,6 +192,7 @@ class TreeDraftRunner:
         self.features = features
         self.shift = 1 if features else 0  # entry index = token position - shift
         self.states: dict[int, _DraftState] = {}
+        self.scratch = Scratch()            # every request's current build
         self.outputs: Tensor | None = None  # features=True: [R, F] model outputs of this build's nodes
         self.epoch = 0                      # builds so far (outputs of older builds are gone)
 
@@ -179,63 +220,59 @@ class TreeDraftRunner:
         All or nothing: the pages are reserved before any state changes, so an OutOfPages
         leaves every request as it was.
         """
-        tree = frontier.tree
+        tree, scratch = frontier.tree, self.scratch
         nodes_all = frontier.nodes.cpu().numpy()                                        # [B, F]
-        todo = [(b, rid, np.flatnonzero(nodes_all[b] >= 0)) for b, rid in enumerate(frontier.roots.request_ids)]
-        todo = [(b, rid, fs, len(fs) == 1 and nodes_all[b, fs[0]] == 0) for b, rid, fs in todo if len(fs)]
-        totals = []
-        for _, rid, fs, root in todo:
-            st = self._state(rid)
-            if root and st.scratch.size:  # a build that never reached commit (e.g. a step given up)
-                self.runner.cache.truncate(rid, st.committed)
-                st.scratch.clear()
-            fed = len(st.pending) + 1 if root else len(fs)
-            totals.append(self.runner.kv_len(rid) + fed)
-        self.runner.cache.reserve([rid for _, rid, _, _ in todo], totals)
+        counts = (nodes_all >= 0).sum(1)                                                # [B]
+        bs = np.flatnonzero(counts)                                                     # [N] requests fed
+        starts = (counts[bs] == 1) & (nodes_all[bs].max(1) == 0)                        # [N] feeds its root alone
+        rids = [frontier.roots.request_ids[b] for b in bs]
+        states = [self._state(rid) for rid in rids]
+        slots = np.array([st.slot for st in states], dtype=np.int64)                     # [N]
+        for i in np.flatnonzero(starts & (scratch.size[slots] > 0)):  # a build that never reached commit
+            self.runner.cache.truncate(rids[i], states[i].committed)  # (e.g. a step given up)
+            scratch.clear(slots[i])
+        fed = np.where(starts, [len(st.pending) + 1 for st in states], counts[bs])     # [N] tokens to feed
+        self.runner.cache.reserve(rids, [self.runner.kv_len(rid) + int(n) for rid, n in zip(rids, fed)])
+        others = scratch.size.copy()
+        others[slots] = 0
+        # a new build when every fed request starts a tree and no other is inside one
+        batch = DraftBatch(new_build=bool(starts.all()) and not others.any())
         tokens_all, parents_all = tree.tokens.cpu().numpy(), tree.parents.cpu().numpy()  # [B, n]
         positions_all = tree.positions.cpu().numpy() - self.shift                        # [B, n]
-        fed = {rid for _, rid, _, _ in todo}
-        # a new build when every fed request starts a tree and no other is inside one
-        new_build = all(root for *_, root in todo) and \
-            not any(st.scratch.size for rid, st in self.states.items() if rid not in fed)
-        batch = DraftBatch(new_build=new_build)
-        start = 0  # first row of this request in the forward's output
-        for b, rid, fs, root in todo:
-            st = self.states[rid]
-            if root:  # a new tree: pending committed tokens, then the root, causal
-                root_pos = int(frontier.roots.positions[b])
-                assert st.committed + len(st.pending) == root_pos - self.shift, "drafter lost track of the sequence"
-                tokens = st.pending + [int(tokens_all[b, 0])]
-                positions = range(st.committed, st.committed + len(tokens))
-                mask = None
-                if self.features:
-                    assert st.last_feature is not None, "begin() gave no target features for this request"
-                    batch.features.extend([*st.pending_features, st.last_feature[None]])
-                    st.pending_features = []
-                st.committed += len(st.pending)
-                st.pending = []
-                st.scratch.start(tokens[-1])
-                entries, offsets = np.zeros(1, dtype=np.int64), np.array([len(tokens) - 1])
-            else:
-                assert st.scratch.size, "a tree is expanded from its root first"
-                nodes = nodes_all[b, fs]
-                parents = parents_all[b, nodes]
-                tokens, positions = tokens_all[b, nodes], positions_all[b, nodes]
-                entries, mask = st.scratch.feed(nodes, tokens, parents, tokens_all[b, parents], tree.num_nodes)
-                mask = torch.from_numpy(mask)                                            # [F, scratch]
-                if self.features:  # a node reads the model's output at its parent
-                    assert st.epoch == self.epoch, "the outputs of this request's tree are gone"
-                    batch.features.append(st.scratch.out_row[st.scratch.parent[entries]])
-                offsets = np.arange(len(nodes))
-            batch.request_ids.append(rid)
-            batch.tokens.append(tokens)
-            batch.positions.append(positions)
-            batch.tree_masks.append(mask)
-            batch.b.append(np.full(len(fs), b))
-            batch.f.append(fs)
-            batch.row.append(start + offsets)
-            batch.entries.append((st, entries))
-            start += len(tokens)
+        for i in np.flatnonzero(starts):  # a new tree: pending committed tokens, then the root, causal
+            st, b = states[i], bs[i]
+            assert st.committed + len(st.pending) == int(frontier.roots.positions[b]) - self.shift, \
+                "drafter lost track of the sequence"
+            batch.request_ids.append(rids[i])
+            batch.tokens.append(st.pending + [int(tokens_all[b, 0])])
+            batch.positions.append(range(st.committed, st.committed + fed[i]))
+            batch.tree_masks.append(None)
+            if self.features:
+                assert st.last_feature is not None, "begin() gave no target features for this request"
+                batch.features.extend([*st.pending_features, st.last_feature[None]])
+                st.pending_features = []
+            st.committed += len(st.pending)
+            st.pending = []
+        if starts.any():
+            roots = np.flatnonzero(starts)
+            scratch.start(slots[roots], tokens_all[bs[roots], 0])
+            batch.add_nodes(bs[roots], (nodes_all[bs[roots]] == 0).argmax(1), np.cumsum(fed[roots]) - 1,
+                            slots[roots], np.zeros(len(roots), dtype=np.int64))
+        inner = np.flatnonzero(~starts)  # trees expanded further: fed nodes with a tree mask over the scratch
+        if len(inner):
+            b_in, s_in, nodes = bs[inner], slots[inner], nodes_all[bs[inner]]          # [M], [M], [M, F]
+            assert (scratch.size[s_in] > 0).all(), "a tree is expanded from its root first"
+            n, f, entry = scratch.feed(s_in, nodes, tokens_all[b_in], parents_all[b_in])  # [K] each
+            node, ends = nodes[n, f], np.cumsum(fed[inner]).tolist()                   # ends: [M]
+            batch.request_ids.extend(rids[i] for i in inner)
+            batch.tokens.extend(_split(tokens_all[b_in[n], node], ends))
+            batch.positions.extend(_split(positions_all[b_in[n], node], ends))
+            batch.tree_masks.extend(torch.from_numpy(scratch.visible[s, e - c : e, :e])  # [c, scratch]
+                                    for s, e, c in zip(s_in, scratch.size[s_in], fed[inner]))
+            if self.features:  # a node reads the model's output at its parent
+                assert (scratch.epoch[s_in] == self.epoch).all(), "the outputs of this request's tree are gone"
+                batch.features.append(scratch.out_row[s_in[n], scratch.parent[s_in[n], entry]])
+            batch.add_nodes(b_in[n], f, int(fed[starts].sum()) + np.arange(len(n)), s_in[n], entry)
         return batch
 
     @torch.inference_mode()
@@ -264,8 +301,9 @@ class TreeDraftRunner:
         to_target = to_target or (lambda ids: ids)
         kk = min(k, logprobs.shape[-1])
         top_lp, top_ids = logprobs.topk(kk, dim=-1)                                  # [R, kk]
-        tokens[bi, fi, :kk] = to_target(top_ids).cpu()
-        lps[bi, fi, :kk] = top_lp.cpu()
+        # one device-to-host copy: token ids are exact in float32 (vocabularies are < 2^24)
+        top = torch.cat([top_lp, to_target(top_ids).float()], -1).cpu()              # [R, 2 * kk]
+        lps[bi, fi, :kk], tokens[bi, fi, :kk] = top[:, :kk], top[:, kk:].long()
         if probs is not None:
             ids = to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
             q = logprobs.new_zeros(len(rows), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
@@ -294,20 +332,20 @@ class TreeDraftRunner:
             self.outputs, self.epoch, start = hidden, self.epoch + 1, 0
         else:
             start, self.outputs = len(self.outputs), torch.cat([self.outputs, hidden])
-        for st, entries in batch.entries:
-            st.scratch.out_row[entries] = start + np.arange(len(entries))
-            st.epoch = self.epoch
-            start += len(entries)
+        slots, entries = batch.entries()
+        self.scratch.out_row[slots, entries] = start + np.arange(len(entries))
+        self.scratch.epoch[slots] = self.epoch
 
     def commit(self, request_id: int, tokens: list[int], features: Tensor | None = None) -> None:
         """The request committed ``tokens``: the root, then the accepted drafts (with
         ``features=True`` also their target features ``[len(tokens), F]``)."""
         st = self._state(request_id)
-        keep = st.scratch.path(tokens[: 1 if self.features else len(tokens)]) if st.scratch.size else []
+        keep = self.scratch.path(st.slot, tokens[: 1 if self.features else len(tokens)]) \
+            if self.scratch.size[st.slot] else []
         if keep:
             self.runner.commit(request_id, st.committed, keep)
         st.committed += len(keep)
-        st.scratch.clear()
+        self.scratch.clear(st.slot)
         if self.features:
             assert features is not None and len(features) == len(tokens), "one target feature per token"
             if keep:  # the root's entry stays; the next token reads the root's target feature
@@ -319,11 +357,13 @@ class TreeDraftRunner:
     def _state(self, request_id: int) -> _DraftState:
         st = self.states.get(request_id)
         if st is None:
-            st = self.states[request_id] = _DraftState()
+            st = self.states[request_id] = _DraftState(self.scratch.acquire())
         return st
 
     def release(self, request_ids: list[int]) -> None:
         for rid in request_ids:
-            self.states.pop(rid, None)
+            st = self.states.pop(rid, None)
+            if st is not None:
+                self.scratch.release(st.slot)
             if rid in self.runner.cache.block_tables:
                 self.runner.release([rid])
