@@ -110,32 +110,45 @@ def positions_are_indices(batch: ForwardBatch) -> bool:
     return np.array_equal(batch.positions.cpu().numpy(), index)
 
 
-def custom_mask(batch: ForwardBatch, sliding_window: int | None = None) -> Tensor:
+def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
+                device: torch.device | None = None) -> Tensor:
     """Flattened bool mask, length sum(qo_len * kv_len), request-major, row-major per request.
 
     Request r's new token i sees logical index j < kv_len when j <= prefix_len + i (the prefix
     and causal new tokens); a tree mask ``[q, m]`` replaces the last m columns; a sliding window
     keeps keys with ``query_pos - key_pos < window``, where committed tokens sit at their index
     and new tokens at their (tree) positions. This is TorchBackend's mask, unpadded.
+
+    Built by torch ops over every bit at once on ``device`` (the cache's: on a GPU no host loop
+    over requests, and only the tree masks, not the prefix columns, cross to the device).
     """
-    positions = batch.positions.cpu().numpy()
-    sizes = [n * (p + n) for p, n in zip(batch.prefix_lens, batch.qo_lens)]
-    flat = np.ones(sum(sizes), dtype=bool)  # prefix columns stay True unless the window drops them
-    offset = start = 0
-    for p, n, own, size in zip(batch.prefix_lens, batch.qo_lens, batch.tree_masks, sizes):
-        mask = flat[offset:offset + size].reshape(n, p + n)                             # [n, kv] view
-        m = n if own is None else own.shape[1]
-        mask[:, p + n - m:] = np.tri(n, dtype=bool) if own is None else own.cpu().numpy()
-        if sliding_window is not None:
-            query_pos = positions[start:start + n]                                      # [n]
-            mask[:, p:] &= (query_pos[:, None] - query_pos[None]) < sliding_window
-            # prefix key j is in reach of query i when j > query_pos[i] - window
-            lo, hi = (min(p, max(0, int(f(query_pos)) - sliding_window + 1)) for f in (np.min, np.max))
-            mask[:, :lo] = False                                                        # out of every query's reach
-            mask[:, lo:hi] &= np.arange(lo, hi)[None] > query_pos[:, None] - sliding_window
-        offset += size
-        start += n
-    return torch.from_numpy(flat)
+    b, qo_lens = len(batch.request_ids), batch.qo_lens
+    p = torch.tensor(batch.prefix_lens, device=device)                                  # [B]
+    n = torch.tensor(qo_lens, device=device)                                            # [B]
+    kv = p + n
+    sizes = n * kv                                                                      # [B] bits per request
+    total = sum(q * (pre + q) for pre, q in zip(batch.prefix_lens, qo_lens))
+    r = torch.repeat_interleave(torch.arange(b, device=device), sizes, output_size=total)  # [S] request of each bit
+    k = torch.arange(total, device=device) - (torch.cumsum(sizes, 0) - sizes)[r]       # [S] bit within the request
+    i, j = k // kv[r], k % kv[r]                                                        # [S] query row, key column
+    new = j - p[r]                                                                      # [S] key among the new tokens (< 0: prefix)
+    mask = new <= i
+    if any(t is not None for t in batch.tree_masks):  # request r's tree mask covers its last m_r columns
+        m = [0 if t is None else t.shape[1] for t in batch.tree_masks]                  # (m_r = 0 where causal)
+        trees = np.zeros((b, max(qo_lens), max(m)), dtype=bool)                        # [B, max_q, max_m]
+        for row, t in zip(trees, batch.tree_masks):
+            if t is not None:
+                row[: t.shape[0], : t.shape[1]] = t.cpu().numpy()
+        col = j - (kv - torch.tensor(m, device=device))[r]                             # [S] column in the tree mask
+        bit = torch.from_numpy(trees).to(device)[r, i, col.clamp(min=0)]               # [S]
+        mask = torch.where(col >= 0, bit, mask)  # (no boolean indexing: that would sync with the host)
+    if sliding_window is not None:
+        positions = batch.positions.to(device)                                          # [T]
+        first = (torch.cumsum(n, 0) - n)[r]                                             # [S] row of the request's first new token
+        query_pos = positions[first + i]
+        key_pos = torch.where(new >= 0, positions[first + new.clamp(min=0)], j)
+        mask &= (query_pos - key_pos) < sliding_window
+    return mask
 
 
 class FlashinferBackend:
@@ -226,7 +239,7 @@ class FlashinferBackend:
     def _prefill_args(self, batch: ForwardBatch, masked: bool) -> dict:
         indptr, indices, last_page_len = page_table(self.cache, batch)
         qo_indptr = torch.from_numpy(np.cumsum([0, *batch.qo_lens], dtype=np.int32))    # [B + 1]
-        mask = custom_mask(batch, self.sliding_window).to(self.cache.k.device) if masked else None
+        mask = custom_mask(batch, self.sliding_window, self.cache.k.device) if masked else None
         window_left = -1 if self.sliding_window is None or masked else self.sliding_window - 1
         return dict(qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=indices,
                     paged_kv_last_page_len=last_page_len, head_dim_qk=self.cache.k.shape[3],

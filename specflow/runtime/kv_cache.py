@@ -8,8 +8,6 @@ of a verification step are written at logical indices kv_len .. kv_len + N - 1 (
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -21,25 +19,25 @@ class OutOfPages(RuntimeError):
 
 
 class BlockAllocator:
-    """A free list of page ids."""
+    """A free list of page ids: a numpy stack, so a batch's pages come and go as array slices."""
 
     def __init__(self, num_pages: int):
         assert num_pages >= 1
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)  # [num_pages] free ids in [: num_free]
+        self.num_free = num_pages
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def allocate(self, n: int) -> np.ndarray:
+        """[n] page ids."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} KV pages, {self.num_free} of {self.num_pages} free")
+        self.num_free -= n
+        return self._free[self.num_free : self.num_free + n][::-1].copy()
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages} free")
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
-        assert len(self._free) <= self.num_pages, "double free"
+    def free(self, pages: np.ndarray) -> None:
+        assert self.num_free + len(pages) <= self.num_pages, "double free"
+        self._free[self.num_free : self.num_free + len(pages)] = pages
+        self.num_free += len(pages)
 
 
 class BlockTable:
@@ -58,7 +56,7 @@ class BlockTable:
         """[len] page ids (a view: valid until the next ``extend``)."""
         return self._buf[: self._len]
 
-    def extend(self, pages: list[int]) -> None:
+    def extend(self, pages: np.ndarray) -> None:
         end = self._len + len(pages)
         if end > len(self._buf):
             grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int64)
@@ -67,9 +65,9 @@ class BlockTable:
         self._buf[self._len : end] = pages
         self._len = end
 
-    def truncate(self, num_pages: int) -> list[int]:
+    def truncate(self, num_pages: int) -> np.ndarray:
         """Keep the first ``num_pages``; returns the others."""
-        dropped = self._buf[num_pages : self._len].tolist()
+        dropped = self._buf[num_pages : self._len].copy()
         self._len = min(self._len, num_pages)
         return dropped
 
@@ -156,5 +154,5 @@ class PagedKVCache:
         """Return all of a request's pages to the pool."""
         table = self.block_tables.pop(request_id, None)
         if table is not None:
-            self.allocator.free(table.pages.tolist())
+            self.allocator.free(table.pages)
         self.kv_lens.pop(request_id, None)
