@@ -221,7 +221,10 @@ class TreeDraftRunner:
         leaves every request as it was.
         """
         tree, scratch = frontier.tree, self.scratch
-        nodes_all = frontier.nodes.cpu().numpy()                                        # [B, F]
+        host = torch.cat([frontier.nodes, tree.tokens, tree.parents, tree.positions], 1).cpu().numpy()  # one copy
+        cuts = np.cumsum([frontier.nodes.shape[1], tree.num_nodes, tree.num_nodes])
+        nodes_all, tokens_all, parents_all, positions_all = np.split(host, cuts, 1)  # [B, F], then [B, n] each
+        positions_all = positions_all - self.shift
         counts = (nodes_all >= 0).sum(1)                                                # [B]
         bs = np.flatnonzero(counts)                                                     # [N] requests fed
         starts = (counts[bs] == 1) & (nodes_all[bs].max(1) == 0)                        # [N] feeds its root alone
@@ -237,8 +240,6 @@ class TreeDraftRunner:
         others[slots] = 0
         # a new build when every fed request starts a tree and no other is inside one
         batch = DraftBatch(new_build=bool(starts.all()) and not others.any())
-        tokens_all, parents_all = tree.tokens.cpu().numpy(), tree.parents.cpu().numpy()  # [B, n]
-        positions_all = tree.positions.cpu().numpy() - self.shift                        # [B, n]
         for i in np.flatnonzero(starts):  # a new tree: pending committed tokens, then the root, causal
             st, b = states[i], bs[i]
             assert st.committed + len(st.pending) == int(frontier.roots.positions[b]) - self.shift, \
