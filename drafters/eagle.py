@@ -85,18 +85,23 @@ class EagleDrafter:
         assert features.hidden is not None, "the engine must pass the last hidden states (needs.last_hidden)"
         return features.hidden
 
+    def projected(self, features: TargetFeatures) -> list[Tensor]:
+        """Per request [n, F] features as the head reads them: one ``project`` for the batch."""
+        per_request = self.target_features(features)
+        return list(self.head.project(torch.cat(per_request)).split([len(f) for f in per_request]))
+
     @torch.inference_mode()
     def begin(self, features: TargetFeatures) -> None:
-        for rid, tokens, f in zip(features.request_ids, features.tokens, self.target_features(features)):
-            self.runner.add_pending(rid, tokens.tolist(), self.head.project(f))
+        for rid, tokens, f in zip(features.request_ids, features.tokens, self.projected(features)):
+            self.runner.add_pending(rid, tokens.tolist(), f)
 
     def expand(self, frontier: Frontier) -> Expansion:
         return self.runner.expand(frontier, self.head.compute_logits, self.vocab_size, self.head.draft_to_target)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        for rid, tokens, f in zip(features.request_ids, features.tokens, self.target_features(features)):
-            self.runner.commit(rid, tokens.tolist(), self.head.project(f))
+        for rid, tokens, f in zip(features.request_ids, features.tokens, self.projected(features)):
+            self.runner.commit(rid, tokens.tolist(), f)
 
     def release(self, request_ids: list[int]) -> None:
         self.runner.release(request_ids)

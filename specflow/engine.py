@@ -330,11 +330,13 @@ class SpecEngine:
             start = req.seq_len - n
             tokens.append(torch.tensor(req.seq[start:-1]))
             positions.append(torch.arange(start, req.seq_len - 1))
+        flat = torch.tensor([i for rw in rows for i in rw], dtype=torch.long, device=out.hidden.device)  # one gather each
+        lens = [len(rw) for rw in rows]
         return TargetFeatures(
             request_ids=[r.id for r in reqs], tokens=tokens, positions=positions,
             next_tokens=[r.seq[-1] for r in reqs],
-            hidden=[out.hidden[rw] for rw in rows] if needs.last_hidden else None,
-            taps=[torch.cat([t[rw] for t in out.taps], -1) for rw in rows] if needs.layer_taps else None,
+            hidden=list(out.hidden[flat].split(lens)) if needs.last_hidden else None,
+            taps=list(torch.cat([t[flat] for t in out.taps], -1).split(lens)) if needs.layer_taps else None,
             contexts=[r.seq for r in reqs])
 
     def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
