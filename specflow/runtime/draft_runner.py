@@ -28,8 +28,9 @@ the model as ``features`` (SafeAILab/EAGLE ``topK_genrate``, SGLang's draft exte
   the accepted drafts are queued again with their target features and recomputed at the next
   expansion.
 
-Host work per expansion is numpy over the whole batch (Python per request only for requests
-starting a tree), so it stays small next to the drafter's forward at large batches.
+Host work per expansion is numpy over the whole batch; what is left per request is cheap (a
+tree start's pending tokens, a view of each mask), so it stays small next to the drafter's
+forward at large batches.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from specflow.tree import Expansion, Frontier
 class Scratch:
     """The tree nodes every request fed in its current build, in feeding order. A request owns a
     slot s: ``size[s]`` entries, entry 0 its root (``size[s] == 0`` between builds). Arrays grow,
-    never shrink; all work is per batch, never per request or per node."""
+    never shrink; all work is per batch, never per request or per node. ``visible`` is
+    slots x S x S for the largest build S so far (1 MB for 64 requests at S = 128)."""
 
     def __init__(self, slots: int = 8, entries: int = 64, nodes: int = 512):
         self.size = np.zeros(slots, dtype=np.int64)                       # [R] entries of each slot's build
@@ -69,6 +71,7 @@ class Scratch:
         return self._free.pop()
 
     def release(self, slot: int) -> None:
+        assert slot not in self._free, "a slot is released once"
         self.clear(slot)
         self._free.append(slot)
 
@@ -94,9 +97,9 @@ class Scratch:
         parent = self.node[s, parent_node]                                      # [K] entries
         assert (parent >= 0).all() and (self.token[s, parent] == tokens[n, parent_node]).all(), \
             "a frontier node's parent must have been fed earlier in the build, at the same node index"
-        assert (self.node[s, node] < 0).all(), "a tree node is fed once per build"
+        key = np.sort(s * tokens.shape[1] + node)                               # [K] (slot, node), sorted
+        assert (self.node[s, node] < 0).all() and (key[1:] != key[:-1]).all(), "a tree node is fed once per build"
         self.node[s, node], self.token[s, entry], self.parent[s, entry] = entry, tokens[n, node], parent
-        assert (self.node[s, node] == entry).all(), "a tree node is fed once per build (twice in a frontier)"
         self.visible[s, entry] = self.visible[s, parent]  # a node sees what its parent sees, and itself
         self.visible[s, entry, entry] = True
         self.size[slots] = end
@@ -160,7 +163,7 @@ class DraftBatch:
     request_ids: list[int] = field(default_factory=list)
     tokens: list = field(default_factory=list)            # per request, q ids
     positions: list = field(default_factory=list)         # per request, q positions
-    tree_masks: list[Tensor | None] = field(default_factory=list)
+    tree_masks: list[Tensor | None] = field(default_factory=list)  # views of Scratch.visible: use before the next plan
     # per fed frontier node, in chunks: its (b, f), its row in the forward's output, its scratch (slot, entry)
     b: list[np.ndarray] = field(default_factory=list)
     f: list[np.ndarray] = field(default_factory=list)
@@ -227,7 +230,7 @@ class TreeDraftRunner:
         positions_all = positions_all - self.shift
         counts = (nodes_all >= 0).sum(1)                                                # [B]
         bs = np.flatnonzero(counts)                                                     # [N] requests fed
-        starts = (counts[bs] == 1) & (nodes_all[bs].max(1) == 0)                        # [N] feeds its root alone
+        starts = (counts[bs] == 1) & (nodes_all[bs] == 0).any(1)                        # [N] feeds its root alone
         rids = [frontier.roots.request_ids[b] for b in bs]
         states = [self._state(rid) for rid in rids]
         slots = np.array([st.slot for st in states], dtype=np.int64)                     # [N]
@@ -303,6 +306,7 @@ class TreeDraftRunner:
         kk = min(k, logprobs.shape[-1])
         top_lp, top_ids = logprobs.topk(kk, dim=-1)                                  # [R, kk]
         # one device-to-host copy: token ids are exact in float32 (vocabularies are < 2^24)
+        assert vocab_size < 2**24, "token ids past 2^24 do not round-trip through float32"
         top = torch.cat([top_lp, to_target(top_ids).float()], -1).cpu()              # [R, 2 * kk]
         lps[bi, fi, :kk], tokens[bi, fi, :kk] = top[:, :kk], top[:, kk:].long()
         if probs is not None:

@@ -7,7 +7,8 @@ import torch
 from drafters.draft_model import DraftModelDrafter
 from specflow.models import load_model
 from specflow.runtime.model_runner import ModelRunner
-from tests.drafters.expansion import check_steps
+from specflow.tree import DraftTree, Frontier
+from tests.drafters.expansion import check_steps, roots_for, target_features
 from trees.chain import ChainBuilder
 from trees.eagle2 import Eagle2Builder
 from trees.static import StaticBuilder
@@ -40,3 +41,13 @@ def test_vocabulary_mismatch_is_rejected(tiny_target):
 
     with pytest.raises(CheckpointError, match="vocabulary"):
         DraftModelDrafter(load_model(tiny_target), target_vocab_size=999)
+
+
+@pytest.mark.parametrize("nodes", [torch.zeros(2, 0, dtype=torch.long), torch.full((2, 2), -1)], ids=["F=0", "none"])
+def test_a_frontier_without_nodes_feeds_nothing(tiny_target, nodes):
+    drafter = DraftModelDrafter(load_model(tiny_target))
+    rids, roots = [0, 1], roots_for(CONTEXTS)
+    drafter.begin(target_features(drafter, rids, [c[:-1] for c in CONTEXTS], [0, 0], [c[-1] for c in CONTEXTS], None))
+    out = drafter.expand(Frontier(roots, DraftTree.root_only(roots), nodes, 2, want_probs=False))
+    assert out.tokens.shape == (2, nodes.shape[1], 2) and (out.logprobs == float("-inf")).all()
+    assert drafter.runner.runner.cache.num_pages_used == 0  # nothing fed: the prompts are still pending

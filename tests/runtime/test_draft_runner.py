@@ -28,10 +28,13 @@ def test_scratch_masks_are_ancestors_and_a_node_is_fed_once():
     scratch.start(slot, np.array([5]))
     with pytest.raises(AssertionError, match="fed once"):  # the same node twice in one frontier
         scratch.feed(slot, np.array([[1, 1]]), np.array([[5, 3]]), np.array([[-1, 0]]))
+    assert scratch.size[slot[0]] == 1 and (scratch.node[slot[0], 1:] == -1).all()  # refused before any write
     with pytest.raises(AssertionError, match="parent"):  # the root fed holds another token
         scratch.feed(slot, np.array([[1]]), TOKENS, PARENTS)
     scratch.release(slot[0])
     assert not scratch.visible.any() and (scratch.node == -1).all() and not scratch.size.any()
+    with pytest.raises(AssertionError, match="released once"):
+        scratch.release(slot[0])
 
 
 def test_scratch_feeds_many_requests_at_once_and_grows():
