@@ -88,7 +88,8 @@ class Scratch:
         their row and column in ``nodes`` and their entries, each [K]; a slot's new entries are
         consecutive."""
         fed = nodes >= 0                                                        # [N, F]
-        first, end = self.size[slots], self.size[slots] + fed.sum(1)            # [N] each slot's new entries
+        first = self.size[slots]                                                # [N] each slot's new entries:
+        end = first + fed.sum(1)                                                # [N] first .. end - 1
         self._fit(len(self.size), int(end.max()), tokens.shape[1])
         n, f = np.nonzero(fed)                                                  # [K]
         s, node = slots[n], nodes[n, f]                                         # [K]
@@ -164,27 +165,21 @@ class DraftBatch:
     tokens: list = field(default_factory=list)            # per request, q ids
     positions: list = field(default_factory=list)         # per request, q positions
     tree_masks: list[Tensor | None] = field(default_factory=list)  # views of Scratch.visible: use before the next plan
-    # per fed frontier node, in chunks: its (b, f), its row in the forward's output, its scratch (slot, entry)
-    b: list[np.ndarray] = field(default_factory=list)
-    f: list[np.ndarray] = field(default_factory=list)
-    row: list[np.ndarray] = field(default_factory=list)
-    slot: list[np.ndarray] = field(default_factory=list)
-    entry: list[np.ndarray] = field(default_factory=list)
+    # chunks of fed frontier nodes, [K] arrays: (b, f), row in the forward's output, scratch (slot, entry)
+    nodes: list[tuple[np.ndarray, ...]] = field(default_factory=list)
     features: list = field(default_factory=list)  # features=True: [n, F] chunks or rows of the runner's outputs
     new_build: bool = False                       # every tree starts here: earlier outputs are dead
 
-    def add_nodes(self, b: np.ndarray, f: np.ndarray, row: np.ndarray, slot: np.ndarray, entry: np.ndarray) -> None:
-        """One chunk of fed nodes, each array [K]."""
-        for chunks, x in zip((self.b, self.f, self.row, self.slot, self.entry), (b, f, row, slot, entry)):
-            chunks.append(x)
-
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The fed nodes' (b, f) and rows in the forward's output, each [K]."""
-        return np.concatenate(self.b), np.concatenate(self.f), np.concatenate(self.row)
+        return self._field(0), self._field(1), self._field(2)
 
     def entries(self) -> tuple[np.ndarray, np.ndarray]:
         """The fed nodes' scratch (slot, entry), each [K]."""
-        return np.concatenate(self.slot), np.concatenate(self.entry)
+        return self._field(3), self._field(4)
+
+    def _field(self, i: int) -> np.ndarray:
+        return np.concatenate([chunk[i] for chunk in self.nodes])
 
 
 class TreeDraftRunner:
@@ -225,45 +220,45 @@ class TreeDraftRunner:
         """
         tree, scratch = frontier.tree, self.scratch
         host = torch.cat([frontier.nodes, tree.tokens, tree.parents, tree.positions], 1).cpu().numpy()  # one copy
-        cuts = np.cumsum([frontier.nodes.shape[1], tree.num_nodes, tree.num_nodes])
-        nodes_all, tokens_all, parents_all, positions_all = np.split(host, cuts, 1)  # [B, F], then [B, n] each
-        positions_all = positions_all - self.shift
+        c1 = frontier.nodes.shape[1]
+        c2, c3 = c1 + tree.num_nodes, c1 + 2 * tree.num_nodes
+        nodes_all, tokens_all, parents_all = host[:, :c1], host[:, c1:c2], host[:, c2:c3]  # [B, F], [B, n], [B, n]
+        positions_all = host[:, c3:] - self.shift                                         # [B, n]
         counts = (nodes_all >= 0).sum(1)                                                # [B]
         bs = np.flatnonzero(counts)                                                     # [N] requests fed
         starts = (counts[bs] == 1) & (nodes_all[bs] == 0).any(1)                        # [N] feeds its root alone
+        roots, inner = np.flatnonzero(starts), np.flatnonzero(~starts)                 # into [N]
         rids = [frontier.roots.request_ids[b] for b in bs]
         states = [self._state(rid) for rid in rids]
         slots = np.array([st.slot for st in states], dtype=np.int64)                     # [N]
-        for i in np.flatnonzero(starts & (scratch.size[slots] > 0)):  # a build that never reached commit
-            self.runner.cache.truncate(rids[i], states[i].committed)  # (e.g. a step given up)
-            scratch.clear(slots[i])
-        fed = np.where(starts, [len(st.pending) + 1 for st in states], counts[bs])     # [N] tokens to feed
+        fed = counts[bs]                                                                # [N] tokens to feed
+        if len(roots):
+            for i in roots[scratch.size[slots[roots]] > 0]:  # a build that never reached commit (a step given up)
+                self.runner.cache.truncate(rids[i], states[i].committed)
+                scratch.clear(slots[i])
+            fed[roots] = [len(states[i].pending) + 1 for i in roots]
         self.runner.cache.reserve(rids, [self.runner.kv_len(rid) + int(n) for rid, n in zip(rids, fed)])
-        others = scratch.size.copy()
-        others[slots] = 0
         # a new build when every fed request starts a tree and no other is inside one
-        batch = DraftBatch(new_build=bool(starts.all()) and not others.any())
-        for i in np.flatnonzero(starts):  # a new tree: pending committed tokens, then the root, causal
-            st, b = states[i], bs[i]
-            assert st.committed + len(st.pending) == int(frontier.roots.positions[b]) - self.shift, \
-                "drafter lost track of the sequence"
-            batch.request_ids.append(rids[i])
-            batch.tokens.append(st.pending + [int(tokens_all[b, 0])])
-            batch.positions.append(range(st.committed, st.committed + fed[i]))
-            batch.tree_masks.append(None)
-            if self.features:
-                assert st.last_feature is not None, "begin() gave no target features for this request"
-                batch.features.extend([*st.pending_features, st.last_feature[None]])
-                st.pending_features = []
-            st.committed += len(st.pending)
-            st.pending = []
-        if starts.any():
-            roots = np.flatnonzero(starts)
+        batch = DraftBatch(new_build=not len(inner) and not scratch.size.any())
+        if len(roots):  # new trees: pending committed tokens, then the root, causal
+            for i in roots:
+                st, b = states[i], bs[i]
+                assert st.committed + len(st.pending) == int(frontier.roots.positions[b]) - self.shift, \
+                    "drafter lost track of the sequence"
+                batch.request_ids.append(rids[i])
+                batch.tokens.append(st.pending + [int(tokens_all[b, 0])])
+                batch.positions.append(range(st.committed, st.committed + fed[i]))
+                batch.tree_masks.append(None)
+                if self.features:
+                    assert st.last_feature is not None, "begin() gave no target features for this request"
+                    batch.features.extend([*st.pending_features, st.last_feature[None]])
+                    st.pending_features = []
+                st.committed += len(st.pending)
+                st.pending = []
             scratch.start(slots[roots], tokens_all[bs[roots], 0])
-            batch.add_nodes(bs[roots], (nodes_all[bs[roots]] == 0).argmax(1), np.cumsum(fed[roots]) - 1,
-                            slots[roots], np.zeros(len(roots), dtype=np.int64))
-        inner = np.flatnonzero(~starts)  # trees expanded further: fed nodes with a tree mask over the scratch
-        if len(inner):
+            batch.nodes.append((bs[roots], (nodes_all[bs[roots]] == 0).argmax(1), np.cumsum(fed[roots]) - 1,
+                                slots[roots], np.zeros(len(roots), dtype=np.int64)))
+        if len(inner):  # trees expanded further: fed nodes with a tree mask over the scratch
             b_in, s_in, nodes = bs[inner], slots[inner], nodes_all[bs[inner]]          # [M], [M], [M, F]
             assert (scratch.size[s_in] > 0).all(), "a tree is expanded from its root first"
             n, f, entry = scratch.feed(s_in, nodes, tokens_all[b_in], parents_all[b_in])  # [K] each
@@ -276,7 +271,7 @@ class TreeDraftRunner:
             if self.features:  # a node reads the model's output at its parent
                 assert (scratch.epoch[s_in] == self.epoch).all(), "the outputs of this request's tree are gone"
                 batch.features.append(scratch.out_row[s_in[n], scratch.parent[s_in[n], entry]])
-            batch.add_nodes(b_in[n], f, int(fed[starts].sum()) + np.arange(len(n)), s_in[n], entry)
+            batch.nodes.append((b_in[n], f, int(fed[roots].sum()) + np.arange(len(n)), s_in[n], entry))
         return batch
 
     @torch.inference_mode()
