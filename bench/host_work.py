@@ -6,9 +6,10 @@ spends outside the model forwards, at several batch sizes.
 
 Target and EAGLE head are tiny random models (``bench/gpu/spec_step.py --tiny``'s), so their
 forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). Each
-forward of a graph (``GraphRunner._run``: what a graph replay runs on a GPU) is timed and
-subtracted from the step: what is left is the engine's, builder's, drafter's, runner's and
-attention planner's host work, which a GPU step adds to its kernels. One thread, best of 3.
+model forward (what a graph replays on a GPU) is timed and subtracted from the step: what is
+left is the engine's, builder's, drafter's, runner's and attention planner's host work, which a
+GPU step adds to its kernels. One thread, best of 3. An EAGLE-2 beam's levels run their head
+eagerly, so on a GPU they also launch its kernels one by one (not counted here).
 """
 
 from __future__ import annotations
@@ -26,30 +27,37 @@ from spec_step import TREE, random_eagle_head  # noqa: E402
 from drafters.eagle import EagleDrafter  # noqa: E402
 from specflow.bench import gpu  # noqa: E402
 from specflow.engine import SpecEngine  # noqa: E402
-from specflow.runtime.cuda_graph import GraphRunner  # noqa: E402
 from specflow.sampling import SamplingParams  # noqa: E402
 from trees.eagle2 import Eagle2Builder  # noqa: E402
 from verifiers.greedy import GreedyVerifier  # noqa: E402
 
 
 class ForwardTimer:
-    """Seconds spent inside graph forwards (``GraphRunner._run``) while in its ``with`` block."""
+    """Seconds spent inside the ``forward`` of the given model classes while in its ``with``
+    block: every model forward, replayed from a graph on a GPU or run eagerly (an EAGLE-2 beam's
+    levels)."""
+
+    def __init__(self, *classes: type):
+        self.classes = classes
 
     def __enter__(self) -> "ForwardTimer":
-        self.seconds, self._run = 0.0, GraphRunner._run
-        run = self._run
+        self.seconds, self._forwards = 0.0, [cls.forward for cls in self.classes]
 
-        def timed(runner, *args, **kwargs):
-            t0 = time.perf_counter()
-            out = run(runner, *args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            return out
+        def timed(forward):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = forward(*args, **kwargs)
+                self.seconds += time.perf_counter() - t0
+                return out
+            return call
 
-        GraphRunner._run = timed
+        for cls, forward in zip(self.classes, self._forwards):
+            cls.forward = timed(forward)
         return self
 
     def __exit__(self, *exc) -> None:
-        GraphRunner._run = self._run
+        for cls, forward in zip(self.classes, self._forwards):
+            cls.forward = forward
 
 
 PROMPT_LEN = 16
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
     spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
-    with ForwardTimer() as timer:
+    with ForwardTimer(type(target), type(drafter.head)) as timer:
         rows = [{"batch_size": b, "decode_host_ms": host_ms(plain, b, args.steps, timer),
                  "spec_host_ms": host_ms(spec, b, args.steps, timer)} for b in args.batch_sizes]
     gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms"])

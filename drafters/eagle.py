@@ -22,9 +22,10 @@ from specflow.models import CheckpointError
 from specflow.models.eagle import EagleHead, load_eagle
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
+from specflow.runtime.beam import Beam
 from specflow.runtime.draft_runner import TreeDraftRunner
 from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
-from specflow.tree import Expansion, Frontier, Verdict
+from specflow.tree import Expansion, Frontier, Roots, Verdict
 
 
 @dataclass
@@ -97,6 +98,11 @@ class EagleDrafter:
 
     def expand(self, frontier: Frontier) -> Expansion:
         return self.runner.expand(frontier, self.head.compute_logits, self.vocab_size, self.head.draft_to_target)
+
+    def beam(self, roots: Roots, children: Tensor, k: int, levels: int) -> Beam | None:
+        """EAGLE-2's levels after the root over branch K/V paths (specflow.runtime.beam); None
+        where this head's cache cannot (the builder then expands level by level)."""
+        return self.runner.beam(roots, children, k, levels, self.head.compute_logits, self.head.draft_to_target)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specflow.protocols import Drafter
+from specflow.protocols import BeamDrafter, Drafter
 from specflow.registry import TREE_BUILDERS
 from specflow.tree import DraftTree, Roots
 from trees.growth import GrowingTree
@@ -53,15 +53,25 @@ class Eagle2Builder:
         b, k, dev = roots.batch_size, self.topk, roots.tokens.device
         grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
         frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, F], F = 1 then k
-        for _ in range(self.depth):
+        tokens, logprobs, sampled = grow.expand(drafter, frontier, k)  # [B, F, k]
+        # EAGLE heads run the levels after the root themselves, without tree masks
+        beam = drafter.beam(roots, tokens, k, self.depth - 1) \
+            if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
+        for level in range(self.depth):
             f = frontier.shape[1]
-            tokens, logprobs, sampled = grow.expand(drafter, frontier, k)  # [B, F, k]
             first = grow.size
             grow.add(frontier.repeat_interleave(k, dim=1), tokens.flatten(1), logprobs.flatten(1),
                      sampled.flatten(1))
-            cols = first + torch.arange(f * k, device=dev)                   # this step's children
+            cols = first + torch.arange(f * k, device=dev)                   # this level's children
             best = top_candidates(grow.logscores[:, cols], k)                # [B, k] into cols
             frontier = torch.where(best >= 0, cols[best.clamp(min=0)], -1)
+            if level + 1 == self.depth:
+                break
+            if beam is None:
+                tokens, logprobs, sampled = grow.expand(drafter, frontier, k)
+            else:
+                tokens, logprobs = beam.expand(best)
+                sampled = torch.zeros_like(tokens, dtype=torch.bool)
         return rerank(grow, self.num_draft_tokens)
 
 

@@ -42,8 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specflow.runtime.beam import Beam
 from specflow.runtime.model_runner import ModelRunner
-from specflow.tree import Expansion, Frontier
+from specflow.tree import Expansion, Frontier, Roots
 
 
 class Scratch:
@@ -310,6 +311,21 @@ class TreeDraftRunner:
             q = logprobs.new_zeros(len(rows), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
             probs[bi, fi] = q.cpu()
         return Expansion(tokens, lps, probs)
+
+    def beam(self, roots: Roots, children: Tensor, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
+             to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:
+        """The rest of an EAGLE-2 build as a Beam (specflow.runtime.beam), right after each
+        request of ``roots`` fed its root alone and got its ``children`` [B, 1, k]; None where a
+        Beam cannot run it (no features, pages of several slots, a sliding window): the builder
+        then expands level by level."""
+        if not self.features or self.runner.cache.page_size != 1 or self.runner.model.config.sliding_window:
+            return None
+        slots = np.array([self.states[r].slot for r in roots.request_ids], dtype=np.int64)
+        assert (self.scratch.size[slots] == 1).all() and (self.scratch.epoch[slots] == self.epoch).all(), \
+            "a beam starts right after its roots were fed"
+        rows = torch.from_numpy(self.scratch.out_row[slots, 0]).to(self.outputs.device)
+        return Beam(self.runner, list(roots.request_ids), self.outputs.index_select(0, rows), children, k, levels,
+                    compute_logits, to_target or (lambda ids: ids))
 
     def _features(self, pieces: list) -> Tensor:
         """Token-flat features [T, F] from a batch's pieces: [n, F] chunks, or arrays of rows of

@@ -90,15 +90,16 @@ def _unsupported(cache: PagedKVCache) -> str | None:
 
 
 def page_table(cache: PagedKVCache, batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
-    """flashinfer's CSR page table of the visible tokens (prefix + new) of every request:
-    ``indptr`` [B + 1], ``indices`` [indptr[-1]] page ids, ``last_page_len`` [B]; int32, CPU."""
+    """flashinfer's CSR page table of the visible tokens (prefix + new) of every row, read off
+    ``batch.kv_index`` (a page is the slot of its first token // page_size), so rows need not be
+    block tables (an EAGLE-2 beam's branches): ``indptr`` [B + 1], ``indices`` [indptr[-1]] page
+    ids, ``last_page_len`` [B]; int32, CPU."""
     ps = cache.page_size
     kv_lens = np.add(batch.prefix_lens, batch.qo_lens)                                 # [B]
     num_pages = -(-kv_lens // ps)                                                      # [B]
-    indices = np.concatenate([cache.block_tables[r].pages[:n]
-                              for r, n in zip(batch.request_ids, num_pages.tolist())]).astype(np.int32)
+    firsts = batch.kv_index.numpy()[:, ::ps]                                           # [B, max pages] first slot of each page
+    indices = (firsts[np.arange(firsts.shape[1]) < num_pages[:, None]] // ps).astype(np.int32)  # row-major
     indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
-    assert len(indices) == indptr[-1], "a block table holds fewer pages than its KV length needs"
     last_page_len = (kv_lens - (num_pages - 1) * ps).astype(np.int32)
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len)
 

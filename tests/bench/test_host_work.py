@@ -1,20 +1,21 @@
-"""bench/host_work.py runs end to end and puts GraphRunner back as it was; no speed is asserted."""
+"""bench/host_work.py runs end to end and puts the models' forwards back as they were; no speed is asserted."""
 
 import importlib.util
 import math
 from pathlib import Path
 
-from specflow.runtime.cuda_graph import GraphRunner
+from specflow.models import LlamaForCausalLM
+from specflow.models.eagle import EagleHead
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_host_work_measures_every_batch_size_and_restores_the_graph_runner():
+def test_host_work_measures_every_batch_size_and_restores_the_forwards():
     spec = importlib.util.spec_from_file_location("bench_host_work", ROOT / "bench" / "host_work.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    run = GraphRunner._run
+    forwards = LlamaForCausalLM.forward, EagleHead.forward
     rows = module.main(["--batch-sizes", "1", "3", "--steps", "1"])
     assert [r["batch_size"] for r in rows] == [1, 3]
     assert all(math.isfinite(r[k]) and r[k] > 0 for r in rows for k in ("decode_host_ms", "spec_host_ms"))
-    assert GraphRunner._run is run
+    assert (LlamaForCausalLM.forward, EagleHead.forward) == forwards

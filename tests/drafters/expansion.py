@@ -10,7 +10,7 @@ import torch
 
 from specflow.protocols import Drafter, TargetFeatures
 from specflow.runtime.model_runner import ModelRunner
-from specflow.tree import Roots, Verdict
+from specflow.tree import DraftTree, Expansion, Frontier, Roots, Verdict
 
 CONTEXTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56]]
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90]]
@@ -39,17 +39,20 @@ def target_features(drafter: Drafter, rids: list[int], tokens: list[list[int]], 
                           taps=feats if drafter.needs.layer_taps else None)
 
 
-def check_steps(drafter: Drafter, builder, contexts: list[list[int]], path_logprob: PathLogprob,
-                features: Features | None = None, steps: int = 3) -> None:
-    """``steps`` builds; each commits the first-child path (depth <= step + 1) and a bonus token."""
+def check_steps(drafter: Drafter, builder, contexts: list[list[int]], path_logprob: PathLogprob | None,
+                features: Features | None = None, steps: int = 3) -> list[DraftTree]:
+    """``steps`` builds; each commits the first-child path (depth <= step + 1) and a bonus token.
+    Returns the trees (``path_logprob=None``: build and commit without checking scores)."""
     contexts = [list(c) for c in contexts]
+    trees = []
     rids = list(range(len(contexts)))
     drafter.begin(target_features(drafter, rids, [c[:-1] for c in contexts], [0] * len(contexts),
                                   [c[-1] for c in contexts], features))
     for step in range(steps):  # several steps: commits must keep the drafter's state in sync
         tree = builder.build(drafter, roots_for(contexts))
         tree.check()
-        for b, ctx in enumerate(contexts):
+        trees.append(tree)
+        for b, ctx in enumerate(contexts if path_logprob else []):
             for i in range(1, tree.num_nodes):
                 if not tree.valid[b, i]:
                     continue
@@ -76,6 +79,27 @@ def check_steps(drafter: Drafter, builder, contexts: list[list[int]], path_logpr
         contexts = [c + t[1:] + [x] for c, t, x in zip(contexts, tokens, bonus)]
         drafter.commit(verdict, target_features(drafter, rids, tokens, starts, bonus, features))
     drafter.release(rids)
+    return trees
+
+
+class LevelByLevel:
+    """A drafter seen without its ``beam``: an EAGLE-2 builder expands it level by level, with
+    tree masks (the reference the beam must reproduce)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.needs = drafter, drafter.needs
+
+    def begin(self, features: TargetFeatures) -> None:
+        self.drafter.begin(features)
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        return self.drafter.expand(frontier)
+
+    def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
+        self.drafter.commit(verdict, features)
+
+    def release(self, request_ids: list[int]) -> None:
+        self.drafter.release(request_ids)
 
 
 def feature_table(dim: int, seed: int = 0) -> Features:

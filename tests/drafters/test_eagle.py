@@ -10,8 +10,9 @@ from drafters.eagle import EagleDrafter, load_token_map
 from specflow import SamplingParams, SpecEngine
 from specflow.models import CheckpointError, load_model
 from specflow.models.eagle import load_eagle, save_eagle
-from tests.drafters.expansion import (CONTEXTS, PROMPTS, TREES, check_steps, contiguous_path_logprob,
-                                      feature_table, roots_for, target_features)
+from specflow.runtime.beam import Beam
+from tests.drafters.expansion import (CONTEXTS, PROMPTS, TREES, LevelByLevel, check_steps,
+                                      contiguous_path_logprob, feature_table, roots_for, target_features)
 from tests.drafters.fitted import fit, target_states, trajectories
 from tests.models.random_heads import eagle_state, head_hf, write_checkpoint
 from trees.chain import ChainBuilder
@@ -68,12 +69,38 @@ def test_a_root_expanded_again_leaves_other_trees_intact(target, head_dir):
     torch.testing.assert_close(restarted[1], alone[1])
 
 
+@pytest.mark.parametrize("page_size", [1, 4])  # EAGLE-2 runs its beam with pages of one slot, level by level else
 @pytest.mark.parametrize("builder", BUILDERS, ids=["chain", "static", "eagle2"])
-def test_tree_scores_match_contiguous_head(target, head_dir, builder):
+def test_tree_scores_match_contiguous_head(target, head_dir, builder, page_size):
     head = load_eagle(head_dir, target)
-    drafter = EagleDrafter(head, kv_cache_tokens=512, page_size=4)
+    drafter = EagleDrafter(head, kv_cache_tokens=512, page_size=page_size)
     check_steps(drafter, builder, CONTEXTS, contiguous_path_logprob(head, feature_table(64)), feature_table(64))
     assert drafter.runner.runner.cache.num_pages_used == 0
+
+
+@pytest.mark.parametrize("topk, depth, n, vocab", [(3, 3, 10, None), (4, 4, 16, None), (2, 5, 9, None),
+                                                   (4, 3, 12, 3)])  # vocab: a token map smaller than topk
+def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, monkeypatch, topk, depth, n, vocab):
+    """EAGLE-2 over the head's beam (branch K/V paths, no tree mask) equals the same build
+    expanded level by level with tree masks: tokens, parents and validity exactly, scores to
+    float tolerance, over steps with commits."""
+    levels = []
+    expand = Beam.expand
+    monkeypatch.setattr(Beam, "expand", lambda beam, choice: levels.append(choice) or expand(beam, choice))
+    builder = Eagle2Builder(topk=topk, depth=depth, num_draft_tokens=n)
+    trees = []
+    for wrap in (lambda d: d, LevelByLevel):
+        head = load_eagle(head_dir, target)
+        if vocab is not None:
+            head.set_token_map(torch.tensor([5, 17, 99][:vocab]))
+        drafter = EagleDrafter(head, kv_cache_tokens=512)
+        trees.append(check_steps(wrap(drafter), builder, CONTEXTS, None, feature_table(64)))
+        assert drafter.runner.runner.cache.num_pages_used == 0
+    assert len(levels) == 3 * (depth - 1)  # the beam ran every level after the root, then stood aside
+    for beam, level in zip(*trees):
+        for name in ("tokens", "parents", "valid"):
+            assert torch.equal(getattr(beam, name), getattr(level, name)), name
+        torch.testing.assert_close(beam.scores, level.scores)
 
 
 @pytest.mark.parametrize("tree", TREES)

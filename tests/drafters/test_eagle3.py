@@ -59,9 +59,10 @@ def engine(target, tree, path, verifier="greedy"):
 @pytest.mark.parametrize("builder", [ChainBuilder(depth=3), StaticBuilder(preset="mc_sim_7b_63"),
                                      Eagle2Builder(topk=3, depth=3, num_draft_tokens=10)],
                          ids=["chain", "static", "eagle2"])
-def test_tree_scores_match_contiguous_head(target, head_dir, builder):
+@pytest.mark.parametrize("page_size", [1, 2])  # EAGLE-2 runs its beam with pages of one slot, level by level else
+def test_tree_scores_match_contiguous_head(target, head_dir, builder, page_size):
     head = load_eagle3(head_dir, target)
-    drafter = Eagle3Drafter(head, kv_cache_tokens=512, page_size=2)
+    drafter = Eagle3Drafter(head, kv_cache_tokens=512, page_size=page_size)
     assert drafter.needs.layer_taps == (1, 2, 3)
     taps = feature_table(3 * 64, seed=1)  # target features are the three taps, concatenated
     check_steps(drafter, builder, CONTEXTS, contiguous_path_logprob(head, taps), taps)
