@@ -7,7 +7,8 @@ slots for levels 1..d-1 hold the K/V of the ancestors of the level's j-th node, 
 parent's branch (every layer in one gather). A node then sees the committed prefix (the root
 included) and its own branch: plain decode attention over a KV list fixed per row, so every
 level's layout is known before the first and nothing waits on the device between levels but
-the top-k the tree builder ranks.
+the top-k the tree builder ranks. With CUDA graphs on, a level replays the drafter runner's
+one-token graph of its padded row count (``GraphRunner.forward_rows``; eager past the largest).
 
 Only the drafter's cache changes hands: the builder still scores and reranks, and ``commit``
 keeps the root's K/V alone, as for every EAGLE build (the branch slots go back to the pool).
@@ -75,10 +76,12 @@ class Beam:
             dst = self.branch[:, : d - 1].reshape(-1)                          # [B * (d-1) * k]
             for pool in (cache.k, cache.v):
                 pool[:, dst] = pool[:, src]
-        batch = self._batch(d)
-        self.runner.attn.plan(batch)
-        out, _ = self.runner.model(tokens.view(-1), batch.positions.to(device), self.runner.attn, (),
-                                   features=features.view(b * k, -1))          # [B * k, H]
+        batch, inputs = self._batch(d), {"features": features.view(b * k, -1)}
+        graphs = self.runner.graphs
+        out = graphs.forward_rows(batch, tokens.view(-1), inputs) if graphs is not None else None  # [B * k, H]
+        if out is None:  # no graphs, or more rows than the largest graph
+            self.runner.attn.plan(batch)
+            out, _ = self.runner.model(tokens.view(-1), batch.positions.to(device), self.runner.attn, (), **inputs)
         logprobs = torch.log_softmax(self.compute_logits(out).float(), -1)      # [B * k, V_draft]
         kk = min(k, logprobs.shape[-1])
         top_lp, ids = logprobs.topk(kk, dim=-1)                                 # [B * k, kk]

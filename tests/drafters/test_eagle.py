@@ -11,6 +11,8 @@ from specflow import SamplingParams, SpecEngine
 from specflow.models import CheckpointError, load_model
 from specflow.models.eagle import load_eagle, save_eagle
 from specflow.runtime.beam import Beam
+from specflow.runtime.cuda_graph import PAD_REQUEST
+from specflow.runtime.model_runner import RuntimeOptions
 from tests.drafters.expansion import (CONTEXTS, PROMPTS, TREES, LevelByLevel, check_steps,
                                       contiguous_path_logprob, feature_table, roots_for, target_features)
 from tests.drafters.fitted import fit, target_states, trajectories
@@ -78,12 +80,15 @@ def test_tree_scores_match_contiguous_head(target, head_dir, builder, page_size)
     assert drafter.runner.runner.cache.num_pages_used == 0
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("topk, depth, n, vocab", [(3, 3, 10, None), (4, 4, 16, None), (2, 5, 9, None),
                                                    (4, 3, 12, 3)])  # vocab: a token map smaller than topk
-def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, monkeypatch, topk, depth, n, vocab):
+def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, monkeypatch, topk, depth, n, vocab,
+                                                           graphs):
     """EAGLE-2 over the head's beam (branch K/V paths, no tree mask) equals the same build
     expanded level by level with tree masks: tokens, parents and validity exactly, scores to
-    float tolerance, over steps with commits."""
+    float tolerance, over steps with commits; with CUDA graphs on (the padded static path on a
+    CPU) the beam's levels take the one-token graphs."""
     levels = []
     expand = Beam.expand
     monkeypatch.setattr(Beam, "expand", lambda beam, choice: levels.append(choice) or expand(beam, choice))
@@ -93,9 +98,12 @@ def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, mon
         head = load_eagle(head_dir, target)
         if vocab is not None:
             head.set_token_map(torch.tensor([5, 17, 99][:vocab]))
-        drafter = EagleDrafter(head, kv_cache_tokens=512)
+        drafter = EagleDrafter(head, kv_cache_tokens=512, runtime=RuntimeOptions(cuda_graphs=graphs, max_batch_size=8))
         trees.append(check_steps(wrap(drafter), builder, CONTEXTS, None, feature_table(64)))
-        assert drafter.runner.runner.cache.num_pages_used == 0
+        cache = drafter.runner.runner.cache
+        assert cache.num_pages_used == len(cache.block_tables.get(PAD_REQUEST, ()))  # the graphs' padding only
+        if graphs and wrap is not LevelByLevel:  # (size, tokens per row): 2 requests x topk rows, padded
+            assert (next(s for s in (1, 2, 4, 8) if s >= 2 * topk), 1) in {g[:2] for g in drafter.runner.runner.graphs.graphs}
     assert len(levels) == 3 * (depth - 1)  # the beam ran every level after the root, then stood aside
     for beam, level in zip(*trees):
         for name in ("tokens", "parents", "valid"):
