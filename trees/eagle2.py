@@ -32,6 +32,9 @@ class Eagle2Builder:
     ``depth`` levels, the N - 1 best candidates (over 1 + topk + (depth - 1) topk^2) are kept,
     sorted by candidate index so parents precede children. Candidates without a child (-inf) or
     with a NaN score are never kept; when fewer than N - 1 remain the tree is padded.
+
+    A ``BeamDrafter`` (the EAGLE heads) expands the levels after the root itself
+    (specflow.runtime.beam), with the trees level-by-level expansion would give.
     """
 
     def __init__(self, topk: int = 8, depth: int = 5, num_draft_tokens: int = 32):

@@ -60,9 +60,9 @@ class Beam:
     @torch.inference_mode()
     def expand(self, choice: Tensor) -> tuple[Tensor, Tensor]:
         """Feed the next level: ``choice`` [B, k] picks among the last level's children
-        (flattened [F * k], -1: none) and branch j takes the j-th. Returns the new nodes'
-        children, tokens and log-probs [B, k, k] (descending; -inf where there is no node), on
-        ``choice``'s device."""
+        (flattened [F * k], -1: none) and branch j takes the j-th. Returns the children of the
+        fed nodes: tokens and log-probs [B, k, k] (descending; -inf under a -1), on ``choice``'s
+        device."""
         assert self.level < self.levels, f"the beam was reserved for {self.levels} levels"
         b, k, cache, device = len(self.request_ids), self.k, self.runner.cache, self.runner.device
         d = self.level + 1
