@@ -27,6 +27,20 @@ from specflow.runtime.attention import ForwardBatch
 from specflow.runtime.model_runner import ModelRunner
 
 
+def top_children(logprobs: Tensor, k: int, to_target: Callable[[Tensor], Tensor], vocab_size: int) -> Tensor:
+    """[R, 2k] float32: the top-k log-probs of each row of ``logprobs`` [R, V_draft]
+    (descending, -inf past the draft vocabulary), then their ids mapped by ``to_target`` into
+    the target's ``vocab_size`` (0 past it), in one tensor so that one copy brings both to the
+    host."""
+    assert vocab_size < 2**24, "token ids past 2^24 do not round-trip through float32"
+    kk = min(k, logprobs.shape[-1])
+    top_lp, ids = logprobs.topk(kk, dim=-1)                                     # [R, kk]
+    ids = to_target(ids)
+    if kk < k:  # fewer draft tokens than children asked
+        top_lp, ids = F.pad(top_lp, (0, k - kk), value=float("-inf")), F.pad(ids, (0, k - kk))
+    return torch.cat([top_lp, ids.float()], -1)
+
+
 class Beam:
     """Levels 1..``levels`` of an EAGLE-2 beam of width ``k`` over a drafter ``runner`` (an
     EAGLE-style model: ``forward(..., features=)``) whose cache ends with each request's root.
@@ -43,6 +57,7 @@ class Beam:
         assert cache.page_size == 1, "a branch slot is a page of its own"
         self.runner, self.k, self.levels = runner, k, levels
         self.compute_logits, self.to_target = compute_logits, to_target
+        self.vocab_size = runner.model.config.vocab_size  # the target's: drafts are target ids
         self.request_ids = request_ids
         self.kv0 = np.array([runner.kv_len(r) for r in request_ids], dtype=np.int64)   # [B] prefix, root last
         ends = (self.kv0 + levels * k).tolist()
@@ -83,14 +98,9 @@ class Beam:
             self.runner.attn.plan(batch)
             out, _ = self.runner.model(tokens.view(-1), batch.positions.to(device), self.runner.attn, (), **inputs)
         logprobs = torch.log_softmax(self.compute_logits(out).float(), -1)      # [B * k, V_draft]
-        kk = min(k, logprobs.shape[-1])
-        top_lp, ids = logprobs.topk(kk, dim=-1)                                 # [B * k, kk]
-        ids = self.to_target(ids)
-        if kk < k:  # fewer draft tokens than children asked
-            top_lp, ids = F.pad(top_lp, (0, k - kk), value=float("-inf")), F.pad(ids, (0, k - kk))
-        self.tokens, self.hidden, self.level = ids.view(b, k, k), out, d
-        # one copy back: token ids are exact in float32 (vocabularies are < 2^24)
-        top = torch.cat([top_lp, ids.float()], -1).view(b, k, 2 * k).to(choice.device)
+        top = top_children(logprobs, k, self.to_target, self.vocab_size)                       # [B * k, 2k]
+        self.tokens, self.hidden, self.level = top[:, k:].long().view(b, k, k), out, d
+        top = top.view(b, k, 2 * k).to(choice.device)                          # the level's one copy back
         return top[..., k:].long(), top[..., :k].masked_fill((choice < 0)[..., None], float("-inf"))
 
     def _batch(self, d: int) -> ForwardBatch:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specflow.runtime.beam import Beam
+from specflow.runtime.beam import Beam, top_children
 from specflow.runtime.model_runner import ModelRunner
 from specflow.tree import Expansion, Frontier, Roots
 
@@ -300,12 +300,8 @@ class TreeDraftRunner:
             self._keep_outputs(batch, hidden)
         logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
         to_target = to_target or (lambda ids: ids)
-        kk = min(k, logprobs.shape[-1])
-        top_lp, top_ids = logprobs.topk(kk, dim=-1)                                  # [R, kk]
-        # one device-to-host copy: token ids are exact in float32 (vocabularies are < 2^24)
-        assert vocab_size < 2**24, "token ids past 2^24 do not round-trip through float32"
-        top = torch.cat([top_lp, to_target(top_ids).float()], -1).cpu()              # [R, 2 * kk]
-        lps[bi, fi, :kk], tokens[bi, fi, :kk] = top[:, :kk], top[:, kk:].long()
+        top = top_children(logprobs, k, to_target, vocab_size).cpu()                 # [R, 2k]: one copy
+        lps[bi, fi], tokens[bi, fi] = top[:, :k], top[:, k:].long()
         if probs is not None:
             ids = to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
             q = logprobs.new_zeros(len(rows), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
