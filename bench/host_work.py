@@ -1,15 +1,15 @@
 """Host work per engine step: the time an EAGLE-2 speculative step (and a plain decode step)
-spends outside the model forwards, at several batch sizes.
+spends outside what CUDA graphs replay, at several batch sizes.
 
     .venv/bin/python bench/host_work.py                     # batch 1, 8, 32 on this CPU
     .venv/bin/python bench/host_work.py --batch-sizes 1 64 --steps 50
 
 Target and EAGLE head are tiny random models (``bench/gpu/spec_step.py --tiny``'s), so their
-forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). Each
-model forward (what a graph replays on a GPU) is timed and subtracted from the step: what is
-left is the engine's, builder's, drafter's, runner's and attention planner's host work, which a
-GPU step adds to its kernels. One thread, best of 3. An EAGLE-2 beam's levels run their head
-eagerly, so on a GPU they also launch its kernels one by one (not counted here).
+forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). What a
+GPU replays from graphs (every model forward, and the EAGLE-2 beam's build after the root,
+builder ops included) is timed and subtracted from the step: what is left is the engine's,
+builder's, drafter's, runner's and attention planner's host work, which a GPU step adds to its
+kernels. One thread, best of 3.
 """
 
 from __future__ import annotations
@@ -27,37 +27,42 @@ from spec_step import TREE, random_eagle_head  # noqa: E402
 from drafters.eagle import EagleDrafter  # noqa: E402
 from specflow.bench import gpu  # noqa: E402
 from specflow.engine import SpecEngine  # noqa: E402
+from specflow.runtime.beam import Beam  # noqa: E402
 from specflow.sampling import SamplingParams  # noqa: E402
 from trees.eagle2 import Eagle2Builder  # noqa: E402
 from verifiers.greedy import GreedyVerifier  # noqa: E402
 
 
-class ForwardTimer:
-    """Seconds spent inside the ``forward`` of the given model classes while in its ``with``
-    block: every model forward, replayed from a graph on a GPU or run eagerly (an EAGLE-2 beam's
-    levels)."""
+class ReplayTimer:
+    """Seconds spent inside the given methods while in its ``with`` block, outermost calls only:
+    the work a GPU replays from CUDA graphs (model forwards, and an EAGLE-2 beam's whole
+    build after the root), which a CPU runs eagerly."""
 
-    def __init__(self, *classes: type):
-        self.classes = classes
+    def __init__(self, *methods: tuple[type, str]):
+        self.methods = methods
 
-    def __enter__(self) -> "ForwardTimer":
-        self.seconds, self._forwards = 0.0, [cls.forward for cls in self.classes]
+    def __enter__(self) -> "ReplayTimer":
+        self.seconds, self._depth = 0.0, 0
+        self._originals = [getattr(owner, name) for owner, name in self.methods]
 
-        def timed(forward):
+        def timed(method):
             def call(*args, **kwargs):
-                t0 = time.perf_counter()
-                out = forward(*args, **kwargs)
-                self.seconds += time.perf_counter() - t0
-                return out
+                t0, self._depth = time.perf_counter(), self._depth + 1
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    if not self._depth:
+                        self.seconds += time.perf_counter() - t0
             return call
 
-        for cls, forward in zip(self.classes, self._forwards):
-            cls.forward = timed(forward)
+        for (owner, name), method in zip(self.methods, self._originals):
+            setattr(owner, name, timed(method))
         return self
 
     def __exit__(self, *exc) -> None:
-        for cls, forward in zip(self.classes, self._forwards):
-            cls.forward = forward
+        for (owner, name), method in zip(self.methods, self._originals):
+            setattr(owner, name, method)
 
 
 PROMPT_LEN = 16
@@ -68,8 +73,8 @@ def max_new_tokens(steps: int) -> int:
     return (4 + 3 * steps) * (TREE["depth"] + 1)
 
 
-def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ForwardTimer) -> float:
-    """Best of 3: milliseconds per step outside the model forwards, ``batch`` requests running."""
+def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ReplayTimer) -> float:
+    """Best of 3: milliseconds per step outside what graphs replay, ``batch`` requests running."""
     vocab = engine.runner.model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(steps), ignore_eos=True)
     rids = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,)).tolist(), params) for _ in range(batch)]
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
     spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
-    with ForwardTimer(type(target), type(drafter.head)) as timer:
+    replayed = (type(target), "forward"), (type(drafter.head), "forward"), (Beam, "_replay")
+    with ReplayTimer(*replayed) as timer:
         rows = [{"batch_size": b, "decode_host_ms": host_ms(plain, b, args.steps, timer),
                  "spec_host_ms": host_ms(spec, b, args.steps, timer)} for b in args.batch_sizes]
     gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms"])

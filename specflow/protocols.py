@@ -52,8 +52,9 @@ class Drafter(Protocol):
 class BeamDrafter(Drafter, Protocol):
     """A drafter that runs the levels of an EAGLE-2 beam after the root itself (EAGLE heads, see
     specflow.runtime.beam): ``beam(roots, children [B, 1, k], k, levels)`` right after the
-    roots' expansion, an object whose ``expand(choice [B, k])`` feeds the next level; None
-    where it cannot for this batch."""
+    roots' expansion, a ``Beam`` whose ``run(fn, state, key)`` runs the builder's levels ``fn``,
+    which call its ``expand(choice [B, k])`` to feed each next level; None where it cannot for
+    this batch."""
 
     def beam(self, roots: Roots, children: Tensor, k: int, levels: int): ...
 

@@ -5,6 +5,7 @@ global rerank of every candidate to N nodes (EAGLE ``topK_genrate``, SGLang
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,8 +34,9 @@ class Eagle2Builder:
     sorted by candidate index so parents precede children. Candidates without a child (-inf) or
     with a NaN score are never kept; when fewer than N - 1 remain the tree is padded.
 
-    A ``BeamDrafter`` (the EAGLE heads) expands the levels after the root itself
-    (specflow.runtime.beam), with the trees level-by-level expansion would give.
+    A ``BeamDrafter`` (the EAGLE heads) expands the levels after the root itself, with the
+    trees level-by-level expansion would give: the builder's levels then run on the drafter's
+    device as one CUDA graph when graphs are on (specflow.runtime.beam).
     """
 
     def __init__(self, topk: int = 8, depth: int = 5, num_draft_tokens: int = 32):
@@ -53,13 +55,33 @@ class Eagle2Builder:
         return cls(topk=cfg.topk, depth=cfg.depth, num_draft_tokens=cfg.num_draft_tokens)
 
     def build(self, drafter: Drafter, roots: Roots) -> DraftTree:
-        b, k, dev = roots.batch_size, self.topk, roots.tokens.device
+        b, k = roots.batch_size, self.topk
         grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
-        frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, F], F = 1 then k
-        tokens, logprobs, sampled = grow.expand(drafter, frontier, k)  # [B, F, k]
-        # EAGLE heads run the levels after the root themselves, without tree masks
+        root = torch.zeros(b, 1, dtype=torch.long, device=roots.tokens.device)
+        tokens, logprobs, sampled = grow.expand(drafter, root, k)   # [B, 1, k] the root's children
+        # EAGLE heads run the levels after the root themselves: on their device, one CUDA graph
         beam = drafter.beam(roots, tokens, k, self.depth - 1) \
             if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
+        if beam is None:
+            self._levels(grow, tokens, logprobs, sampled, lambda frontier, best: grow.expand(drafter, frontier, k))
+            return rerank(grow, self.num_draft_tokens)
+
+        def levels(*state: Tensor) -> tuple[Tensor, ...]:
+            tree = grow.over(state[:-2], grow.size)
+            self._levels(tree, *picks(*state[-2:]), lambda frontier, best: picks(*beam.expand(best)))
+            return tree.columns()
+
+        grown = beam.run(levels, (*grow.columns(), tokens, logprobs), key=("eagle2", k, self.depth))
+        return rerank(grow.over(grown, grow.capacity), self.num_draft_tokens)
+
+    def _levels(self, grow: GrowingTree, tokens: Tensor, logprobs: Tensor, sampled: Tensor,
+                expand: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]) -> None:
+        """Grow ``depth`` levels into ``grow``, from the root's children [B, 1, k]: add a level's
+        children, keep its top-k as the frontier [B, k], and ``expand(frontier, best)`` them
+        (``best`` [B, k]: the kept children among the level's, -1 where none) for the next
+        level's children [B, k, k]. Device ops only: no value comes to the host."""
+        b, k, dev = grow.tokens.shape[0], self.topk, grow.tokens.device
+        frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, F], F = 1 then k
         for level in range(self.depth):
             f = frontier.shape[1]
             first = grow.size
@@ -69,13 +91,13 @@ class Eagle2Builder:
             best = top_candidates(grow.logscores[:, cols], k)                # [B, k] into cols
             frontier = torch.where(best >= 0, cols[best.clamp(min=0)], -1)
             if level + 1 == self.depth:
-                break
-            if beam is None:
-                tokens, logprobs, sampled = grow.expand(drafter, frontier, k)
-            else:
-                tokens, logprobs = beam.expand(best)
-                sampled = torch.zeros_like(tokens, dtype=torch.bool)
-        return rerank(grow, self.num_draft_tokens)
+                return
+            tokens, logprobs, sampled = expand(frontier, best)
+
+
+def picks(tokens: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A beam's children as GrowingTree.expand answers them: top-k picks, none sampled."""
+    return tokens, logprobs, torch.zeros_like(tokens, dtype=torch.bool)
 
 
 def top_candidates(logscores: Tensor, n: int) -> Tensor:

@@ -7,6 +7,8 @@ deciding which children exist, and the cumulative scores.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -51,6 +53,20 @@ class GrowingTree:
                                  "one torch.Generator per request")
             greedy = roots.greedy.tolist() if roots.greedy is not None else [False] * b
             self._sample_rows = [r for r in range(b) if not greedy[r]]
+
+    def columns(self) -> tuple[Tensor, ...]:
+        """The per-column tensors [B, capacity + 1]: tokens, parents, depth, logscores, valid,
+        sampled (what ``over`` takes)."""
+        return self.tokens, self.parents, self.depth, self.logscores, self.valid, self.sampled
+
+    def over(self, columns: tuple[Tensor, ...], size: int) -> "GrowingTree":
+        """This tree (same roots and capacity) over other ``columns`` with ``size`` columns handed
+        out, e.g. a CUDA graph's static copies of its own (specflow.runtime.beam)."""
+        assert self.draft_probs is None, "sampled drafting keeps q beside the columns"
+        tree = copy.copy(self)
+        tree.tokens, tree.parents, tree.depth, tree.logscores, tree.valid, tree.sampled = columns
+        tree.size = size
+        return tree
 
     def tree(self, n: int | None = None) -> DraftTree:
         """The first ``n`` columns (default ``size``) as a DraftTree without mask."""

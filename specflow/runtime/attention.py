@@ -55,14 +55,17 @@ class AttentionBackend(Protocol):
 
     A backend with ``supports_graphs`` also plans for CUDA graphs (specflow.runtime.cuda_graph):
     ``plan(batch, graph=state)`` takes the state dict of one captured graph (empty at first), keeps
-    in it the device tensors ``forward`` reads, and writes every later plan for that graph into
-    those same tensors in place, so a replay reads the new batch's metadata."""
+    in it everything ``forward`` reads (device tensors, which every later plan for that graph
+    rewrites in place, so a replay reads the new batch's metadata) and makes it the current plan;
+    ``use(state)`` makes a state planned earlier the current plan again, without host work (a
+    graph of several forwards, each planned before the replay: specflow.runtime.beam)."""
 
     supports_graphs: bool
 
     def graph_key(self, batch: ForwardBatch) -> Hashable:
         """What a graph captured for ``batch`` depends on beyond its shapes (e.g. which kernel)."""
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None: ...
+    def use(self, graph: dict) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
@@ -114,11 +117,16 @@ class TorchBackend:
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
         self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
         if graph is not None:  # a graph replays from the same tensors: write into them in place
-            for name in ("kv_index", "mask", "slot_mapping"):
+            for name in ("kv_index", "mask", "q_rows", "slot_mapping"):
                 new, static = getattr(self, name), graph.setdefault(name, getattr(self, name))
                 if static is not new:
                     static.copy_(new)
-                setattr(self, name, static)
+            graph.update(shape=self.shape, unpadded=self.unpadded)
+            self.use(graph)
+
+    def use(self, graph: dict) -> None:
+        for name, value in graph.items():
+            setattr(self, name, value)
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the cache first."""

@@ -1,4 +1,4 @@
-"""EAGLE-2's beam expanded over per-branch K/V paths: no tree mask, no scratch bookkeeping.
+"""EAGLE-2's beam expanded over per-branch K/V paths, the whole build after the root one CUDA graph.
 
 After the root, an EAGLE-2 build expands a fixed frontier of k nodes per request at every level
 (SGLang's multi-step draft, SafeAILab/EAGLE ``topK_genrate``). Give each request k *branches*,
@@ -6,9 +6,15 @@ one per frontier position: branch j owns one KV slot per level, and when level d
 slots for levels 1..d-1 hold the K/V of the ancestors of the level's j-th node, copied from its
 parent's branch (every layer in one gather). A node then sees the committed prefix (the root
 included) and its own branch: plain decode attention over a KV list fixed per row, so every
-level's layout is known before the first and nothing waits on the device between levels but
-the top-k the tree builder ranks. With CUDA graphs on, a level replays the drafter runner's
-one-token graph of its padded row count (``GraphRunner.forward_rows``; eager past the largest).
+level's layout is known before the first, and nothing between levels needs the host.
+
+``Beam.run(fn, state, key)`` runs the tree builder's levels ``fn`` (its own selection ops, and
+``expand`` once per level) over ``state``. With CUDA graphs on, every level's attention is
+planned before the run, the batch is padded to a captured size (padding requests expand
+nothing and read and write only the graphs' padding page), and ``fn`` replays as one graph
+recorded per (key, padded size, KV width bucket): one replay per build, where a level-by-level
+build pays a host round trip, a plan and a launch of every kernel per level (SGLang's EAGLE
+draft graph). On a CPU the same padded static path runs eagerly.
 
 Only the drafter's cache changes hands: the builder still scores and reranks, and ``commit``
 keeps the root's K/V alone, as for every EAGLE build (the branch slots go back to the pool).
@@ -16,7 +22,8 @@ keeps the root's K/V alone, as for every EAGLE build (the branch slots go back t
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specflow.runtime.attention import ForwardBatch
+from specflow.runtime.cuda_graph import PAD_REQUEST, kv_bucket, record
 from specflow.runtime.model_runner import ModelRunner
 
 
@@ -39,6 +47,20 @@ def top_children(logprobs: Tensor, k: int, to_target: Callable[[Tensor], Tensor]
     if kk < k:  # fewer draft tokens than children asked
         top_lp, ids = F.pad(top_lp, (0, k - kk), value=float("-inf")), F.pad(ids, (0, k - kk))
     return torch.cat([top_lp, ids.float()], -1)
+
+
+@dataclass
+class _BeamGraph:
+    """The static tensors of one recorded beam (S requests, padding included)."""
+
+    state: list[Tensor]        # fn's inputs, [S, ...] each
+    branch: Tensor             # [S, L, k] slot of (level, branch)
+    positions: Tensor          # [S * k] rotary position of each row's root
+    children: Tensor           # [S, 1, k] the roots' children
+    hidden: Tensor             # [S, H] the model's output at each root
+    attn: list[dict]           # per level: the attention backend's graph state
+    outputs: tuple[Tensor, ...] | None = None
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class Beam:
@@ -67,55 +89,130 @@ class Beam:
         col = self.kv0[:, None] + np.arange(levels * k)                                     # [B, L * k]
         self.branch_np = np.take_along_axis(table, col, 1).reshape(b, levels, k)           # [B, L, k] slot of (level, branch)
         self.prefix = np.where(np.arange(width) < self.kv0[:, None], table[:, :width], 0)  # [B, P] slots, 0 past kv0
+        # what expand reads; run() swaps in a graph's static copies
+        self.rows = b                                                                      # requests, padding included
         self.branch = torch.from_numpy(self.branch_np).to(runner.device)                   # [B, L, k]
-        self.tokens = children.to(runner.device)                                           # [B, F, k] last level's children
-        self.hidden = root_hidden                                                          # [B * F, H] their parents' outputs
-        self.level = 0
+        self.positions = torch.from_numpy(np.repeat(self.kv0 - 1, k)).to(runner.device)    # [B * k]
+        self.children, self.root_hidden = children, root_hidden                            # [B, 1, k], [B, H]
+        self.planned: list[dict] | None = None  # per level, when planned before the run
+        self.tokens, self.hidden, self.level = children.to(runner.device), root_hidden, 0
+
+    @torch.inference_mode()
+    def run(self, fn: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...],
+            key: Hashable) -> tuple[Tensor, ...]:
+        """``fn(*state)``: a tree builder's levels, which call ``expand`` once per level and
+        return tensors [B, ...]; ``state`` are its inputs [B, ...], which it may update in place.
+        Returns fn's outputs on the device of ``state``.
+
+        With CUDA graphs on, ``fn`` runs over padded static copies of ``state`` on the drafter's
+        device, replayed from a graph recorded per (``key``, shapes): ``fn`` must compute from
+        its inputs and ``expand`` alone, with device ops only, and ``key`` name that computation.
+        Padding requests' inputs are zeros."""
+        graphs, b = self.runner.graphs, len(self.request_ids)
+        if graphs is None or b > graphs.sizes[-1]:  # eager: every level planned before its forward
+            return tuple(fn(*state))
+        s = next(size for size in graphs.sizes if size >= b)
+        batches = [self._batch(d, s, kv_bucket(self.prefix.shape[1] + self.levels)) for d in range(1, self.levels + 1)]
+        attn = self.runner.attn
+        shapes = tuple((x.shape[1:], x.dtype) for x in state)
+        gkey = (key, s, batches[0].kv_index.shape[1], shapes, attn.graph_key(batches[0]))
+        g = graphs.beams.get(gkey)
+        if g is None:
+            g = graphs.beams[gkey] = self._new_graph(s, state)
+        for batch, planned in zip(batches, g.attn):
+            attn.plan(batch, graph=planned)
+        pad = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])                  # the padding slot
+
+        def load() -> None:  # this build's inputs into the static tensors
+            for static, x in zip(g.state, state):
+                static.zero_()[:b].copy_(x)
+            g.branch.fill_(pad)[:b].copy_(self.branch)
+            g.positions.zero_()[: b * self.k].copy_(self.positions)
+            g.children.zero_()[:b].copy_(self.children)
+            g.hidden.zero_()[:b].copy_(self.root_hidden)
+
+        load()
+        self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
+        self.tokens, self.hidden, self.level = g.children, g.hidden, 0
+        self._replay(g, fn, load, graphs.pool if graphs.capture else None)
+        return tuple(out[:b].to(x.device, copy=True) for out, x in zip(g.outputs, state))
+
+    def _replay(self, g: _BeamGraph, fn: Callable[..., tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
+        """Replay ``g`` over its loaded inputs, recording it first into ``pool`` (recording runs
+        ``fn`` twice, warm-up then graph, over inputs it updates: ``load`` them again before
+        the replay); without a pool, run ``fn`` over the static tensors eagerly (CPU)."""
+        if g.graph is not None:
+            g.graph.replay()
+        elif pool is not None:
+            g.graph, g.outputs = record(lambda: tuple(fn(*g.state)), pool)
+            load()
+            g.graph.replay()
+        else:
+            g.outputs = tuple(fn(*g.state))
+
+    def _new_graph(self, s: int, state: tuple[Tensor, ...]) -> "_BeamGraph":
+        device, k = self.runner.device, self.k
+        return _BeamGraph(
+            state=[x.new_zeros(s, *x.shape[1:], device=device) for x in state],
+            branch=torch.zeros(s, self.levels, k, dtype=torch.long, device=device),
+            positions=torch.zeros(s * k, dtype=torch.long, device=device),
+            children=torch.zeros(s, 1, k, dtype=torch.long, device=device),
+            hidden=self.root_hidden.new_zeros(s, self.root_hidden.shape[-1]),
+            attn=[{} for _ in range(self.levels)])
 
     @torch.inference_mode()
     def expand(self, choice: Tensor) -> tuple[Tensor, Tensor]:
-        """Feed the next level: ``choice`` [B, k] picks among the last level's children
+        """Feed the next level: ``choice`` [S, k] picks among the last level's children
         (flattened [F * k], -1: none) and branch j takes the j-th. Returns the children of the
-        fed nodes: tokens and log-probs [B, k, k] (descending; -inf under a -1), on ``choice``'s
-        device."""
+        fed nodes: tokens and log-probs [S, k, k] (descending; -inf under a -1), on ``choice``'s
+        device. S counts ``run``'s padding requests."""
         assert self.level < self.levels, f"the beam was reserved for {self.levels} levels"
-        b, k, cache, device = len(self.request_ids), self.k, self.runner.cache, self.runner.device
+        s, k, cache, device = self.rows, self.k, self.runner.cache, self.runner.device
         d = self.level + 1
-        pick = choice.to(device).clamp(min=0)                                  # [B, k]
-        parent = pick // k                                                     # [B, k] branch of each node's parent
-        tokens = self.tokens.reshape(b, -1).gather(1, pick)                    # [B, k]
-        hidden = self.hidden.view(b, -1, self.hidden.shape[-1])                # [B, F, H]
-        features = hidden.gather(1, parent[..., None].expand(b, k, hidden.shape[-1]))  # [B, k, H]
+        pick = choice.to(device).clamp(min=0)                                  # [S, k]
+        parent = pick // k                                                     # [S, k] branch of each node's parent
+        tokens = self.tokens.reshape(s, -1).gather(1, pick)                    # [S, k]
+        hidden = self.hidden.view(s, -1, self.hidden.shape[-1])                # [S, F, H]
+        features = hidden.gather(1, parent[..., None].expand(s, k, hidden.shape[-1]))  # [S, k, H]
         if d > 1:  # branch j takes over its parent's ancestors (gathered before any write)
-            src = self.branch[:, : d - 1].gather(2, parent[:, None].expand(b, d - 1, k)).reshape(-1)
-            dst = self.branch[:, : d - 1].reshape(-1)                          # [B * (d-1) * k]
+            src = self.branch[:, : d - 1].gather(2, parent[:, None].expand(s, d - 1, k)).reshape(-1)
+            dst = self.branch[:, : d - 1].reshape(-1)                          # [S * (d-1) * k]
             for pool in (cache.k, cache.v):
                 pool[:, dst] = pool[:, src]
-        batch, inputs = self._batch(d), {"features": features.view(b * k, -1)}
-        graphs = self.runner.graphs
-        out = graphs.forward_rows(batch, tokens.view(-1), inputs) if graphs is not None else None  # [B * k, H]
-        if out is None:  # no graphs, or more rows than the largest graph
-            self.runner.attn.plan(batch)
-            out, _ = self.runner.model(tokens.view(-1), batch.positions.to(device), self.runner.attn, (), **inputs)
-        logprobs = torch.log_softmax(self.compute_logits(out).float(), -1)      # [B * k, V_draft]
-        top = top_children(logprobs, k, self.to_target, self.vocab_size)                       # [B * k, 2k]
-        self.tokens, self.hidden, self.level = top[:, k:].long().view(b, k, k), out, d
-        top = top.view(b, k, 2 * k).to(choice.device)                          # the level's one copy back
+        if self.planned is None:
+            self.runner.attn.plan(self._batch(d, s, self.prefix.shape[1] + d))
+        else:
+            self.runner.attn.use(self.planned[d - 1])
+        out, _ = self.runner.model(tokens.view(-1), self.positions + d, self.runner.attn, (),
+                                   features=features.view(s * k, -1))          # [S * k, H]
+        logprobs = torch.log_softmax(self.compute_logits(out).float(), -1)      # [S * k, V_draft]
+        top = top_children(logprobs, k, self.to_target, self.vocab_size)        # [S * k, 2k]
+        self.tokens, self.hidden, self.level = top[:, k:].long().view(s, k, k), out, d
+        top = top.view(s, k, 2 * k).to(choice.device)                         # eager: the level's one copy back
         return top[..., k:].long(), top[..., :k].masked_fill((choice < 0)[..., None], float("-inf"))
 
-    def _batch(self, d: int) -> ForwardBatch:
-        """Level d's layout: row (b, j) sees request b's prefix, then branch j's slots of levels
-        1..d (its ancestors, then itself), and writes its K/V to the last."""
-        b, k = len(self.request_ids), self.k
-        width = self.prefix.shape[1] + d
-        kv = np.zeros((b, k, width), dtype=np.int64)                            # [B, k, P + d]
-        kv[:, :, : self.prefix.shape[1]] = self.prefix[:, None]
+    def _batch(self, d: int, s: int, width: int) -> ForwardBatch:
+        """Level d's layout for ``s`` requests (padding past this beam's), the KV index ``width``
+        wide: row (b, j) sees request b's prefix, then branch j's slots of levels 1..d (its
+        ancestors, then itself), and writes its K/V to the last; a padding row sees and writes
+        the padding slot alone."""
+        b, k, p = len(self.request_ids), self.k, self.prefix.shape[1]
+        kv = np.zeros((s, k, width), dtype=np.int64)                            # [S, k, W]
+        kv[:b, :, :p] = self.prefix[:, None]
         cols = np.broadcast_to((self.kv0[:, None] + np.arange(d))[:, None], (b, k, d))   # [B, k, d]
-        np.put_along_axis(kv, cols, self.branch_np[:, :d].transpose(0, 2, 1), 2)
+        np.put_along_axis(kv[:b], cols, self.branch_np[:, :d].transpose(0, 2, 1), 2)
+        slots = self.branch_np[:, d - 1].reshape(-1)                            # [B * k]
         prefix_lens = np.repeat(self.kv0 + d - 1, k)                            # [B * k]: the path before the node
+        positions = np.repeat(self.kv0 - 1 + d, k)                              # the root's position + d
+        pad = (s - b) * k
+        if pad:
+            slot = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])
+            kv[b:, :, 0] = slot
+            slots = np.concatenate([slots, np.full(pad, slot)])
+            prefix_lens = np.concatenate([prefix_lens, np.zeros(pad, dtype=np.int64)])
+            positions = np.concatenate([positions, np.full(pad, d)])           # (run: zeros + d)
         return ForwardBatch(
-            request_ids=[r for r in self.request_ids for _ in range(k)],
-            positions=torch.from_numpy(np.repeat(self.kv0 - 1 + d, k)),         # the root's position + d
-            prefix_lens=prefix_lens.tolist(), qo_lens=[1] * (b * k), tree_masks=[None] * (b * k),
-            slot_mapping=torch.from_numpy(self.branch_np[:, d - 1].reshape(-1)),
-            kv_index=torch.from_numpy(kv.reshape(b * k, width)))
+            request_ids=[r for r in self.request_ids for _ in range(k)] + [PAD_REQUEST] * pad,
+            positions=torch.from_numpy(positions), prefix_lens=prefix_lens.tolist(), qo_lens=[1] * (s * k),
+            tree_masks=[None] * (s * k), slot_mapping=torch.from_numpy(slots),
+            kv_index=torch.from_numpy(kv.reshape(s * k, width)))

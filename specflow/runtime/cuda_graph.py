@@ -82,6 +82,7 @@ class GraphRunner:
         self.max_tokens_per_request = max_tokens_per_request
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
+        self.beams: dict[tuple, object] = {}  # EAGLE-2 beams' graphs (specflow.runtime.beam)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # the padding rows' own page(s): their K/V is written there and nowhere else
         try:
@@ -122,27 +123,6 @@ class GraphRunner:
             self.runner.cache, request_ids + [PAD_REQUEST] * pad, prefix_lens + [0] * pad, [n] * size,
             torch.from_numpy(padded_positions), tree_masks + [None] * pad, kv_width=width)
         return self._replay(padded, n, torch.from_numpy(rows), input_ids, taps, inputs)
-
-    @torch.inference_mode()
-    def forward_rows(self, batch: ForwardBatch, input_ids: Tensor, inputs: dict[str, Tensor]) -> Tensor | None:
-        """The model's hidden [R, H] for a laid-out batch of one token per row whose rows need
-        not be requests of the cache (an EAGLE-2 beam's level, specflow.runtime.beam), through
-        a graph padded with dummy rows; None (run it eagerly) past the largest captured size."""
-        r = len(batch.request_ids)
-        if r > self.sizes[-1]:
-            return None
-        size = next(s for s in self.sizes if s >= r)
-        width = kv_bucket(batch.kv_index.shape[1])
-        pad = size - r
-        dummy = self.runner.cache.batch_slots([PAD_REQUEST], [1])                          # [1, 1] the padding slot
-        kv_index = torch.nn.functional.pad(batch.kv_index, (0, width - batch.kv_index.shape[1]))
-        padded = ForwardBatch(
-            batch.request_ids + [PAD_REQUEST] * pad, torch.cat([batch.positions, batch.positions.new_zeros(pad)]),
-            batch.prefix_lens + [0] * pad, [1] * size, batch.tree_masks + [None] * pad,
-            torch.cat([batch.slot_mapping, dummy[0].expand(pad)]),
-            torch.cat([kv_index, torch.nn.functional.pad(dummy, (0, width - 1)).expand(pad, width)]))
-        hidden, _ = self._replay(padded, 1, torch.arange(r), input_ids, (), inputs)
-        return hidden
 
     def _replay(self, padded: ForwardBatch, n: int, rows: Tensor, input_ids: Tensor, taps: tuple[int, ...],
                 inputs: dict[str, Tensor]) -> tuple[Tensor, list[Tensor]]:

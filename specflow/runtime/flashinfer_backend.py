@@ -226,6 +226,9 @@ class FlashinferBackend:
             self.wrapper.plan(num_qo_heads=self.num_qo_heads, **args)
             self.plan_args = None
 
+    def use(self, graph: dict) -> None:
+        self.wrapper, self.slot_mapping, self.plan_args = graph["wrapper"], graph["slot_mapping"], None
+
     def _common_args(self) -> dict:
         dtype = self.cache.k.dtype
         return dict(num_kv_heads=self.cache.k.shape[2], page_size=self.cache.page_size,

@@ -88,7 +88,7 @@ def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, mon
     """EAGLE-2 over the head's beam (branch K/V paths, no tree mask) equals the same build
     expanded level by level with tree masks: tokens, parents and validity exactly, scores to
     float tolerance, over steps with commits; with CUDA graphs on (the padded static path on a
-    CPU) the beam's levels take the one-token graphs."""
+    CPU) the builder's levels run as one beam graph."""
     levels = []
     expand = Beam.expand
     monkeypatch.setattr(Beam, "expand", lambda beam, choice: levels.append(choice) or expand(beam, choice))
@@ -102,8 +102,8 @@ def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, mon
         trees.append(check_steps(wrap(drafter), builder, CONTEXTS, None, feature_table(64)))
         cache = drafter.runner.runner.cache
         assert cache.num_pages_used == len(cache.block_tables.get(PAD_REQUEST, ()))  # the graphs' padding only
-        if graphs and wrap is not LevelByLevel:  # (size, tokens per row): 2 requests x topk rows, padded
-            assert (next(s for s in (1, 2, 4, 8) if s >= 2 * topk), 1) in {g[:2] for g in drafter.runner.runner.graphs.graphs}
+        if graphs and wrap is not LevelByLevel:  # one beam graph: (key, requests, ...)
+            assert [key[:2] for key in drafter.runner.runner.graphs.beams] == [(("eagle2", topk, depth), 2)]
     assert len(levels) == 3 * (depth - 1)  # the beam ran every level after the root, then stood aside
     for beam, level in zip(*trees):
         for name in ("tokens", "parents", "valid"):

@@ -454,6 +454,9 @@ def test_engine_over_flashinfer_graphs_matches_torch(fake_flashinfer, drafter):
     if drafter != "medusa":
         assert isinstance(engines[1].drafter.runner.runner.attn, FlashinferBackend)
         assert engines[1].drafter.runner.runner.graphs.graphs
+    if drafter == "eagle":  # EAGLE-2's levels as beam graphs, each level's decode wrapper planned before the run
+        beams = engines[1].drafter.runner.runner.graphs.beams.values()
+        assert beams and all(state["decode"] for beam in beams for state in beam.attn)
 
 
 @pytest.mark.gpu
