@@ -139,9 +139,9 @@ class DraftTree:
             out.draft_probs = full
         return out
 
-    def with_mask(self) -> "DraftTree":
-        """Fill ``mask`` from ``parents`` (ancestor-or-self), in depth-many vectorised steps."""
-        self.mask = ancestor_mask(self.parents)
+    def with_mask(self, depth: int | None = None) -> "DraftTree":
+        """Fill ``mask`` from ``parents`` (ancestor-or-self, see ``ancestor_mask``)."""
+        self.mask = ancestor_mask(self.parents, depth)
         return self
 
     def first_child_next_sibling(self) -> tuple[Tensor, Tensor]:
@@ -199,18 +199,21 @@ class DraftTree:
         }
 
 
-def ancestor_mask(parents: Tensor) -> Tensor:
-    """[B, N] parent indices -> [B, N, N] bool, True where column j is row i or its ancestor."""
+def ancestor_mask(parents: Tensor, depth: int | None = None) -> Tensor:
+    """[B, N] parent indices -> [B, N, N] bool, True where column j is row i or its ancestor.
+
+    One vectorised step per tree level; given ``depth`` (a bound on every node's depth), exactly
+    that many, with no value read back to the host (so CUDA graphs can record it)."""
     b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    mask = eye.clone()
-    anc = parents.clone()  # [B, N] current ancestor of each node (-1 when past the root)
-    rows = torch.arange(n, device=parents.device).expand(b, n)
-    while (anc >= 0).any():
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(b, 1, 1)
+    anc = parents  # [B, N] current ancestor of each node (-1 when past the root)
+    for _ in range(n if depth is None else depth):
         has = anc >= 0
-        bi, ri = has.nonzero(as_tuple=True)
-        mask[bi, rows[bi, ri], anc[bi, ri]] = True
-        anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), anc)
+        if depth is None and not bool(has.any()):
+            break
+        col = anc.clamp(min=0)[..., None]                                  # [B, N, 1]
+        mask.scatter_(2, col, mask.gather(2, col) | has[..., None])
+        anc = torch.where(has, parents.gather(1, col[..., 0]), anc)
     return mask
 
 

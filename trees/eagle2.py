@@ -16,6 +16,9 @@ from specflow.tree import DraftTree, Roots
 from trees.growth import GrowingTree
 
 
+TREE_FIELDS = ("tokens", "parents", "depth", "positions", "scores", "valid", "sampled", "mask")  # a beam's DraftTree
+
+
 @dataclass
 class Eagle2Config:
     topk: int = 8                # children per expanded node, and the beam width
@@ -64,15 +67,15 @@ class Eagle2Builder:
             if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
         if beam is None:
             self._levels(grow, tokens, logprobs, sampled, lambda frontier, best: grow.expand(drafter, frontier, k))
-            return rerank(grow, self.num_draft_tokens)
+            return rerank(grow, self.num_draft_tokens, self.depth)
 
-        def levels(*state: Tensor) -> tuple[Tensor, ...]:
+        def build_rest(*state: Tensor) -> tuple[Tensor, ...]:  # the levels, then the rerank
             tree = grow.over(state[:-2], grow.size)
             self._levels(tree, *picks(*state[-2:]), lambda frontier, best: picks(*beam.expand(best)))
-            return tree.columns()
+            return tuple(getattr(rerank(tree, self.num_draft_tokens, self.depth), name) for name in TREE_FIELDS)
 
-        grown = beam.run(levels, (*grow.columns(), tokens, logprobs), key=("eagle2", k, self.depth))
-        return rerank(grow.over(grown, grow.capacity), self.num_draft_tokens)
+        key = ("eagle2", k, self.depth, self.num_draft_tokens)
+        return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, (*grow.tensors(), tokens, logprobs), key))))
 
     def _levels(self, grow: GrowingTree, tokens: Tensor, logprobs: Tensor, sampled: Tensor,
                 expand: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]) -> None:
@@ -116,8 +119,9 @@ def top_candidates(logscores: Tensor, n: int) -> Tensor:
     return torch.where(keys > float("-inf"), order, -1)
 
 
-def rerank(grow: GrowingTree, n: int) -> DraftTree:
-    """The root plus the n - 1 best candidates of ``grow``, in candidate order, parents re-indexed.
+def rerank(grow: GrowingTree, n: int, max_depth: int) -> DraftTree:
+    """The root plus the n - 1 best candidates of ``grow`` (none deeper than ``max_depth``), in
+    candidate order, parents re-indexed; device ops only.
 
     Scores never rise down a path and ties go to the earlier candidate, so every kept node's
     parent is kept and, being an earlier candidate, gets a smaller new index.
@@ -143,4 +147,4 @@ def rerank(grow: GrowingTree, n: int) -> DraftTree:
     return DraftTree(
         tokens=take(cand.tokens, 0), parents=torch.where(keep_all, parents, 0), depth=depth,
         positions=cand.positions[:, :1] + depth, scores=take(cand.scores, 0.0),
-        valid=keep_all, sampled=take(cand.sampled, False)).with_mask()
+        valid=keep_all, sampled=take(cand.sampled, False)).with_mask(max_depth)

@@ -33,6 +33,7 @@ class GrowingTree:
         b, dev = roots.batch_size, roots.tokens.device
         cols = capacity + 1  # + the sink
         self.roots, self.capacity, self.size, self.sample = roots, capacity, 1, sample
+        self.root_positions = roots.positions.to(dev, torch.long)  # [B]
         self.tokens = torch.zeros(b, cols, dtype=torch.long, device=dev)
         self.tokens[:, 0] = roots.tokens
         self.parents = torch.zeros(b, cols, dtype=torch.long, device=dev)
@@ -54,17 +55,17 @@ class GrowingTree:
             greedy = roots.greedy.tolist() if roots.greedy is not None else [False] * b
             self._sample_rows = [r for r in range(b) if not greedy[r]]
 
-    def columns(self) -> tuple[Tensor, ...]:
-        """The per-column tensors [B, capacity + 1]: tokens, parents, depth, logscores, valid,
-        sampled (what ``over`` takes)."""
-        return self.tokens, self.parents, self.depth, self.logscores, self.valid, self.sampled
+    def tensors(self) -> tuple[Tensor, ...]:
+        """What the tree holds, [B, ...] each: the root positions, then the columns [B, capacity
+        + 1] tokens, parents, depth, logscores, valid, sampled (what ``over`` takes)."""
+        return self.root_positions, self.tokens, self.parents, self.depth, self.logscores, self.valid, self.sampled
 
-    def over(self, columns: tuple[Tensor, ...], size: int) -> "GrowingTree":
-        """This tree (same roots and capacity) over other ``columns`` with ``size`` columns handed
+    def over(self, tensors: tuple[Tensor, ...], size: int) -> "GrowingTree":
+        """This tree (same roots and capacity) over other ``tensors`` with ``size`` columns handed
         out, e.g. a CUDA graph's static copies of its own (specflow.runtime.beam)."""
         assert self.draft_probs is None, "sampled drafting keeps q beside the columns"
         tree = copy.copy(self)
-        tree.tokens, tree.parents, tree.depth, tree.logscores, tree.valid, tree.sampled = columns
+        tree.root_positions, tree.tokens, tree.parents, tree.depth, tree.logscores, tree.valid, tree.sampled = tensors
         tree.size = size
         return tree
 
@@ -74,7 +75,7 @@ class GrowingTree:
         depth = self.depth[:, :n]
         return DraftTree(
             tokens=self.tokens[:, :n], parents=self.parents[:, :n], depth=depth,
-            positions=self.roots.positions.to(depth).view(-1, 1) + depth,
+            positions=self.root_positions.view(-1, 1) + depth,
             scores=self.logscores[:, :n].exp(), valid=self.valid[:, :n], sampled=self.sampled[:, :n],
             draft_probs=None if self.draft_probs is None else self.draft_probs[:, :n])
 

@@ -101,8 +101,8 @@ class Beam:
     def run(self, fn: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...],
             key: Hashable) -> tuple[Tensor, ...]:
         """``fn(*state)``: a tree builder's levels, which call ``expand`` once per level and
-        return tensors [B, ...]; ``state`` are its inputs [B, ...], which it may update in place.
-        Returns fn's outputs on the device of ``state``.
+        return tensors [B, ...]; ``state`` are its inputs [B, ...] (on one device), which it may
+        update in place. Returns fn's outputs on the device of ``state``.
 
         With CUDA graphs on, ``fn`` runs over padded static copies of ``state`` on the drafter's
         device, replayed from a graph recorded per (``key``, shapes): ``fn`` must compute from
@@ -135,7 +135,7 @@ class Beam:
         self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
         self.tokens, self.hidden, self.level = g.children, g.hidden, 0
         self._replay(g, fn, load, graphs.pool if graphs.capture else None)
-        return tuple(out[:b].to(x.device, copy=True) for out, x in zip(g.outputs, state))
+        return tuple(out[:b].to(state[0].device, copy=True) for out in g.outputs)
 
     def _replay(self, g: _BeamGraph, fn: Callable[..., tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
         """Replay ``g`` over its loaded inputs, recording it first into ``pool`` (recording runs

@@ -103,7 +103,7 @@ def test_beam_builds_the_trees_of_level_by_level_expansion(target, head_dir, mon
         cache = drafter.runner.runner.cache
         assert cache.num_pages_used == len(cache.block_tables.get(PAD_REQUEST, ()))  # the graphs' padding only
         if graphs and wrap is not LevelByLevel:  # one beam graph: (key, requests, ...)
-            assert [key[:2] for key in drafter.runner.runner.graphs.beams] == [(("eagle2", topk, depth), 2)]
+            assert [key[:2] for key in drafter.runner.runner.graphs.beams] == [(("eagle2", topk, depth, n), 2)]
     assert len(levels) == 3 * (depth - 1)  # the beam ran every level after the root, then stood aside
     for beam, level in zip(*trees):
         for name in ("tokens", "parents", "valid"):
