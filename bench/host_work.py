@@ -1,15 +1,16 @@
 """Host work per engine step: the time an EAGLE-2 speculative step (and a plain decode step)
-spends outside what CUDA graphs replay, at several batch sizes.
+spends outside its device work, at several batch sizes.
 
     .venv/bin/python bench/host_work.py                     # batch 1, 8, 32 on this CPU
     .venv/bin/python bench/host_work.py --batch-sizes 1 64 --steps 50
 
 Target and EAGLE head are tiny random models (``bench/gpu/spec_step.py --tiny``'s), so their
-forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). What a
-GPU replays from graphs (every model forward, and the EAGLE-2 beam's build after the root,
-builder ops included) is timed and subtracted from the step: what is left is the engine's,
-builder's, drafter's, runner's and attention planner's host work, which a GPU step adds to its
-kernels. One thread, best of 3.
+forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). The
+device work is timed and subtracted from the step: what a GPU replays from graphs (every model
+forward, and the EAGLE-2 beam's build after the root, builder ops included) and the lm_heads'
+logits. What is left is the engine's, builder's, drafter's, runner's, verifier's and attention
+planner's host work, which a GPU step adds to its kernels (the smaller ops it leaves, such as
+the verifier's argmax, are kernels on a GPU too). One thread, best of 3.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ from trees.eagle2 import Eagle2Builder  # noqa: E402
 from verifiers.greedy import GreedyVerifier  # noqa: E402
 
 
-class ReplayTimer:
+class DeviceTimer:
     """Seconds spent inside the given methods while in its ``with`` block, outermost calls only:
-    the work a GPU replays from CUDA graphs (model forwards, and an EAGLE-2 beam's whole
-    build after the root), which a CPU runs eagerly."""
+    the device work a CPU runs in place (model forwards and an EAGLE-2 beam's whole build
+    after the root, which a GPU replays from CUDA graphs, and the lm_heads' logits)."""
 
     def __init__(self, *methods: tuple[type, str]):
         self.methods = methods
 
-    def __enter__(self) -> "ReplayTimer":
+    def __enter__(self) -> "DeviceTimer":
         self.seconds, self._depth = 0.0, 0
         self._originals = [getattr(owner, name) for owner, name in self.methods]
 
@@ -73,8 +74,8 @@ def max_new_tokens(steps: int) -> int:
     return (4 + 3 * steps) * (TREE["depth"] + 1)
 
 
-def host_ms(engine: SpecEngine, batch: int, steps: int, timer: ReplayTimer) -> float:
-    """Best of 3: milliseconds per step outside what graphs replay, ``batch`` requests running."""
+def host_ms(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer) -> float:
+    """Best of 3: milliseconds per step outside the device work, ``batch`` requests running."""
     vocab = engine.runner.model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(steps), ignore_eos=True)
     rids = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,)).tolist(), params) for _ in range(batch)]
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
     spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
-    replayed = (type(target), "forward"), (type(drafter.head), "forward"), (Beam, "_replay")
-    with ReplayTimer(*replayed) as timer:
+    device_work = [(model, name) for model in (type(target), type(drafter.head)) for name in ("forward", "compute_logits")]
+    with DeviceTimer(*device_work, (Beam, "_replay")) as timer:
         rows = [{"batch_size": b, "decode_host_ms": host_ms(plain, b, args.steps, timer),
                  "spec_host_ms": host_ms(spec, b, args.steps, timer)} for b in args.batch_sizes]
     gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms"])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.sampling import SamplingBatch
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, make_verdict
 
 
 @dataclass
@@ -36,18 +36,19 @@ class GreedyVerifier:
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
-        argmax = target_logits.argmax(-1).cpu().tolist()  # [B, N]
-        host = HostTree.of(tree)
-        paths, bonus = [], []
-        for b in range(tree.batch_size):
-            node, path = 0, [0]
-            while True:
-                # accept the first child equal to the target's choice after the accepted path
-                nxt = next((c for c in host.children(b, node) if host.tokens[b][c] == argmax[b][node]), None)
-                if nxt is None:
-                    break
-                node = nxt
-                path.append(node)
-            paths.append(path)
-            bonus.append(argmax[b][node])
-        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
+        argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]: one copy
+        b, depth = tree.batch_size, int(tree.depth.max())
+        node = torch.zeros(b, dtype=torch.long, device=argmax.device)          # [B] last accepted node
+        accepted = torch.full((b, depth + 1), -1, dtype=torch.long, device=argmax.device)
+        accepted[:, 0] = 0
+        alive = torch.ones(b, dtype=torch.bool, device=argmax.device)          # [B] still walking
+        for level in range(1, depth + 1):  # every request one depth down at once
+            target = argmax.gather(1, node[:, None])                          # [B, 1] the target's next token
+            hit = tree.valid & (tree.parents == node[:, None]) & (tree.tokens == target)  # [B, N]
+            alive &= hit.any(1)
+            if not alive.any():
+                break
+            child = hit.int().argmax(1)                                        # [B] the first hit in index order
+            node = torch.where(alive, child, node)
+            accepted[:, level] = torch.where(alive, child, -1)
+        return Verdict(accepted, (accepted >= 0).sum(1) - 1, argmax.gather(1, node[:, None])[:, 0])
