@@ -10,8 +10,8 @@ level's layout is known before the first, and nothing between levels needs the h
 
 ``Beam.run(fn, state, key)`` runs the tree builder's levels ``fn`` (its own selection ops, and
 ``expand`` once per level) over ``state``. With CUDA graphs on, every level's attention is
-planned before the run, the batch is padded to a captured size (padding requests expand
-nothing and read and write only the graphs' padding page), and ``fn`` replays as one graph
+planned before the run, the batch is padded to a captured size (padding requests read and
+write only the graphs' padding page, and their outputs are dropped), and ``fn`` replays as one graph
 recorded per (key, padded size, KV width bucket): one replay per build, where a level-by-level
 build pays a host round trip, a plan and a launch of every kernel per level (SGLang's EAGLE
 draft graph). On a CPU the same padded static path runs eagerly.
@@ -107,7 +107,8 @@ class Beam:
         With CUDA graphs on, ``fn`` runs over padded static copies of ``state`` on the drafter's
         device, replayed from a graph recorded per (``key``, shapes): ``fn`` must compute from
         its inputs and ``expand`` alone, with device ops only, and ``key`` name that computation.
-        Padding requests' inputs are zeros."""
+        Padding requests' inputs are zeros: what they expand touches the padding slot alone,
+        and their outputs are dropped."""
         graphs, b = self.runner.graphs, len(self.request_ids)
         if graphs is None or b > graphs.sizes[-1]:  # eager: every level planned before its forward
             return tuple(fn(*state))
@@ -122,33 +123,41 @@ class Beam:
         for batch, planned in zip(batches, g.attn):
             attn.plan(batch, graph=planned)
         pad = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])                  # the padding slot
+        branch, positions = self.branch, self.positions                                    # this build's
 
         def load() -> None:  # this build's inputs into the static tensors
             for static, x in zip(g.state, state):
                 static.zero_()[:b].copy_(x)
-            g.branch.fill_(pad)[:b].copy_(self.branch)
-            g.positions.zero_()[: b * self.k].copy_(self.positions)
+            g.branch.fill_(pad)[:b].copy_(branch)
+            g.positions.zero_()[: b * self.k].copy_(positions)
             g.children.zero_()[:b].copy_(self.children)
             g.hidden.zero_()[:b].copy_(self.root_hidden)
 
+        def body() -> tuple[Tensor, ...]:  # every pass starts at the first level, over the static tensors
+            self.tokens, self.hidden, self.level = g.children, g.hidden, 0
+            return tuple(fn(*g.state))
+
         load()
         self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
-        self.tokens, self.hidden, self.level = g.children, g.hidden, 0
-        self._replay(g, fn, load, graphs.pool if graphs.capture else None)
+        self._replay(g, body, load, graphs.pool if graphs.capture else None)
         return tuple(out[:b].to(state[0].device, copy=True) for out in g.outputs)
 
-    def _replay(self, g: _BeamGraph, fn: Callable[..., tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
-        """Replay ``g`` over its loaded inputs, recording it first into ``pool`` (recording runs
-        ``fn`` twice, warm-up then graph, over inputs it updates: ``load`` them again before
-        the replay); without a pool, run ``fn`` over the static tensors eagerly (CPU)."""
+    def _replay(self, g: _BeamGraph, body: Callable[[], tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
+        """Run ``body`` (the levels over g's static tensors) for this build. The first time, it
+        is recorded as capture runs it: a warm-up pass, then the recorded pass (into ``pool`` as
+        a CUDA graph; without a pool, eagerly: a CPU rehearsal of the same sequence); both
+        update the inputs, so they are loaded again before the pass that counts. Later calls
+        replay the graph (or run ``body`` eagerly)."""
+        if g.outputs is None:
+            if pool is not None:
+                g.graph, g.outputs = record(body, pool)
+            else:
+                body(), body()
+            load()
         if g.graph is not None:
             g.graph.replay()
-        elif pool is not None:
-            g.graph, g.outputs = record(lambda: tuple(fn(*g.state)), pool)
-            load()
-            g.graph.replay()
         else:
-            g.outputs = tuple(fn(*g.state))
+            g.outputs = body()
 
     def _new_graph(self, s: int, state: tuple[Tensor, ...]) -> "_BeamGraph":
         device, k = self.runner.device, self.k
