@@ -294,10 +294,9 @@ class SpecEngine:
         # one device->host copy of the small tensors, then plain Python per request
         paths, lengths = verdict.accepted.tolist(), verdict.accept_len.tolist()
         bonus, tokens = verdict.bonus_tokens.tolist(), tree.tokens.tolist()
-        for b, req in enumerate(batch):
-            accepted = paths[b][: lengths[b] + 1]
-            base = req.seq_len - 1
-            self.runner.commit(req.id, base, accepted)
+        accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
+        self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
+        for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
             req.accept_lengths.append(kept)

@@ -356,7 +356,7 @@ class TreeDraftRunner:
         keep = self.scratch.path(st.slot, tokens[: 1 if self.features else len(tokens)]) \
             if self.scratch.size[st.slot] else []
         if keep:
-            self.runner.commit(request_id, st.committed, keep)
+            self.runner.commit([request_id], [st.committed], [keep])
         st.committed += len(keep)
         self.scratch.clear(st.slot)
         if self.features:

@@ -126,24 +126,28 @@ class PagedKVCache:
         slots[idx[None] >= np.array(kv_lens)[:, None]] = 0
         return torch.from_numpy(np.ascontiguousarray(slots))  # column indexing may leave it Fortran-ordered
 
-    def commit(self, request_id: int, base: int, keep: list[int]) -> None:
-        """Keep the tokens at logical indices ``base + keep[j]`` as ``base + j``; drop the rest.
-
-        ``keep`` is increasing (an accepted tree path, root first), so moving in order never
-        overwrites a source before it is read. Pages past the new length return to the pool.
-        """
-        table = self.block_tables[request_id]
-        if keep == [0] and self.kv_lens[request_id] == base + 1 and len(table) == self.pages_needed(base + 1):
-            return  # a decode step's root: nothing to move, nothing to free
-        assert all(a < b for a, b in zip(keep, keep[1:])), "keep must be increasing"
-        moved = [(o, j) for j, o in enumerate(keep) if o != j]
-        if moved:
-            src = self.slots(request_id, base, base + keep[-1] + 1)[[o for o, _ in moved]]
-            dst = self.slots(request_id, base, base + len(keep))[[j for _, j in moved]]
-            dst = dst.to(self.k.device)
-            self.k[:, dst] = self.k[:, src.to(self.k.device)]
-            self.v[:, dst] = self.v[:, src.to(self.v.device)]
-        self.truncate(request_id, base + len(keep))
+    def commit(self, request_ids: list[int], bases: list[int], keeps: list[list[int]]) -> None:
+        """For each request, keep the tokens at logical indices ``base + keep[j]`` as ``base + j``
+        and drop the rest: one gather and one write per pool for the whole batch. ``keep`` is
+        increasing (an accepted tree path, root first). Pages past the new lengths return to
+        the pool."""
+        src, dst = [], []
+        for r, base, keep in zip(request_ids, bases, keeps):
+            assert all(a < b for a, b in zip(keep, keep[1:])), "keep must be increasing"
+            moved = [j for j, o in enumerate(keep) if o != j]
+            if moved:  # keep[j] >= j: the slots up to keep[-1] cover sources and destinations
+                slots = self.slots(r, base, base + keep[-1] + 1).numpy()
+                src.append(slots[[keep[j] for j in moved]])
+                dst.append(slots[moved])
+        if src:
+            index = torch.from_numpy(np.stack([np.concatenate(src), np.concatenate(dst)])).to(self.k.device)  # [2, M]
+            for pool in (self.k, self.v):
+                pool[:, index[1]] = pool[:, index[0]]  # gathered before any write
+        for r, base, keep in zip(request_ids, bases, keeps):
+            table = self.block_tables[r]
+            if keep == [0] and self.kv_lens[r] == base + 1 and len(table) == self.pages_needed(base + 1):
+                continue  # a decode step's root: nothing to free
+            self.truncate(r, base + len(keep))
 
     def truncate(self, request_id: int, kv_len: int) -> None:
         """Set the request's cached length and free the pages beyond it."""

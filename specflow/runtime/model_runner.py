@@ -145,9 +145,10 @@ class ModelRunner:
         self.cache.reserve(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
         return None
 
-    def commit(self, request_id: int, base: int, keep: list[int]) -> None:
-        """Keep the K/V of tree nodes ``keep`` (offsets from logical index ``base``), root first."""
-        self.cache.commit(request_id, base, keep)
+    def commit(self, request_ids: list[int], bases: list[int], keeps: list[list[int]]) -> None:
+        """Keep each request's K/V of tree nodes ``keep`` (offsets from logical index ``base``),
+        root first (PagedKVCache.commit)."""
+        self.cache.commit(request_ids, bases, keeps)
 
     def release(self, request_ids: list[int]) -> None:
         for r in request_ids:

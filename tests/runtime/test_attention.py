@@ -65,22 +65,26 @@ def test_tree_attention_and_commit_match_contiguous(page_size, seed, prefix_lens
     depths = [m.sum(-1) - 1 for m in masks]
     positions = [p + d for p, d in zip(prefix_lens, depths)]
     q, k, v, out = extend(cache, backend, rids, sizes, positions, masks, g)
-    start = 0
+    start, keeps = 0, []
     for r, n in enumerate(sizes):
         p = prefix_lens[r]
         full_k = torch.cat([prefix_k[r], k[start:start + n]])
         full_v = torch.cat([prefix_v[r], v[start:start + n]])
         mask = torch.cat([torch.ones(n, p, dtype=torch.bool), masks[r]], dim=1)
         torch.testing.assert_close(out[start:start + n], reference_attention(q[start:start + n], full_k, full_v, mask))
-
-        # commit a random root-to-node path: the cache must read prefix + accepted nodes, contiguous
-        node = int(torch.randint(0, n, (), generator=g))
+        node = int(torch.randint(0, n, (), generator=g))  # a random root-to-node path to commit
         path = []
         while node >= 0:
             path.append(node)
             node = int(parents[r][node])
-        keep = path[::-1]
-        cache.commit(r, p, keep)
+        keeps.append(path[::-1])
+        start += n
+
+    # commit every request's path at once: the cache must read prefix + accepted nodes, contiguous
+    cache.commit(rids, prefix_lens, keeps)
+    start = 0
+    for r, (n, keep) in enumerate(zip(sizes, keeps)):
+        p = prefix_lens[r]
         slots = cache.slots(r, 0, p + len(keep))
         torch.testing.assert_close(cache.k[0][slots], torch.cat([prefix_k[r], k[start:start + n][keep]]))
         torch.testing.assert_close(cache.v[0][slots], torch.cat([prefix_v[r], v[start:start + n][keep]]))

@@ -89,7 +89,7 @@ def run_steps(plain: ModelRunner, graphed: ModelRunner, seed: int, steps: int = 
             keep = mask[node].nonzero()[:, 0].tolist()
             base = plain.kv_len(r) - n
             for runner in (plain, graphed):
-                runner.commit(r, base, keep)
+                runner.commit([r], [base], [keep])
         for r in rids:
             for ours, theirs in zip(cached_kv(graphed, r), cached_kv(plain, r)):
                 torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -412,7 +412,7 @@ def run_graph_steps(plain, graphed, g, tol) -> dict:
             keep = mask[int(torch.randint(0, n, (), generator=g))].nonzero()[:, 0].tolist()
             base = plain.kv_len(r) - n
             for runner in (plain, graphed):
-                runner.commit(r, base, keep)
+                runner.commit([r], [base], [keep])
         for r in rids:
             for ours, theirs in zip(cached_kv(graphed, r), cached_kv(plain, r)):
                 torch.testing.assert_close(ours, theirs, **tol)

@@ -48,7 +48,7 @@ def test_allocator_invariants(ops, page_size, num_pages):
             base = int(torch.randint(0, kv, (), generator=g))
             extra = torch.randperm(kv - base - 1, generator=g)[: int(torch.randint(0, kv - base, (), generator=g))]
             keep = [0] + sorted(int(x) + 1 for x in extra)
-            cache.commit(rid, base, keep)
+            cache.commit([rid], [base], [keep])
             assert cache.kv_lens[rid] == base + len(keep)
             assert len(cache.block_tables[rid]) == cache.pages_needed(base + len(keep))
         elif op == "release":
