@@ -6,13 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specflow.models import CheckpointError, load_model
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
+from specflow.runtime.beam import Beam
 from specflow.runtime.draft_runner import TreeDraftRunner
 from specflow.runtime.model_runner import RuntimeOptions
-from specflow.tree import Expansion, Frontier, Verdict
+from specflow.tree import Expansion, Frontier, Roots, Verdict
 
 
 @dataclass
@@ -25,7 +27,8 @@ class DraftModelConfig:
 @DRAFTERS.register("draft_model", config=DraftModelConfig)
 class DraftModelDrafter:
     """Runs a draft model on its own paged KV cache; each ``expand`` feeds the frontier nodes
-    with tree attention, so chains, static trees and EAGLE-2 trees all work."""
+    with tree attention, so chains, static trees and EAGLE-2 trees all work; EAGLE-2's levels
+    after the root run as a ``beam`` (one CUDA graph with graphs on)."""
 
     needs = TargetNeeds()
 
@@ -52,6 +55,11 @@ class DraftModelDrafter:
 
     def expand(self, frontier: Frontier) -> Expansion:
         return self.runner.expand(frontier, self.runner.runner.model.compute_logits, self.vocab_size)
+
+    def beam(self, roots: Roots, children: Tensor, k: int, levels: int) -> Beam | None:
+        """EAGLE-2's levels after the root over branch K/V paths (specflow.runtime.beam); None
+        where this model's cache cannot (the builder then expands level by level)."""
+        return self.runner.beam(roots, children, k, levels, self.runner.runner.model.compute_logits)
 
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
         for rid, tokens in zip(features.request_ids, features.tokens):

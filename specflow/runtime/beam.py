@@ -57,22 +57,22 @@ class _BeamGraph:
     branch: Tensor             # [S, L, k] slot of (level, branch)
     positions: Tensor          # [S * k] rotary position of each row's root
     children: Tensor           # [S, 1, k] the roots' children
-    hidden: Tensor             # [S, H] the model's output at each root
+    hidden: Tensor | None      # [S, H] the model's output at each root (EAGLE-style models)
     attn: list[dict]           # per level: the attention backend's graph state
     outputs: tuple[Tensor, ...] | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class Beam:
-    """Levels 1..``levels`` of an EAGLE-2 beam of width ``k`` over a drafter ``runner`` (an
-    EAGLE-style model: ``forward(..., features=)``) whose cache ends with each request's root.
+    """Levels 1..``levels`` of an EAGLE-2 beam of width ``k`` over a drafter ``runner`` whose
+    cache ends with each request's root: a draft model, or an EAGLE-style model (``forward(...,
+    features=)``), where a node reads its parent's output ``root_hidden`` [B, H] at the roots.
 
-    ``root_hidden`` [B, H] is the model's output at each root and ``children`` [B, 1, k] the
-    root's children (target ids). Reserves ``levels * k`` slots per request past its cache, all
+    ``children`` [B, 1, k] are the root's children (target ids). Reserves ``levels * k`` slots per request past its cache, all
     or nothing (OutOfPages).
     """
 
-    def __init__(self, runner: ModelRunner, request_ids: list[int], root_hidden: Tensor, children: Tensor,
+    def __init__(self, runner: ModelRunner, request_ids: list[int], root_hidden: Tensor | None, children: Tensor,
                  k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
                  to_target: Callable[[Tensor], Tensor]):
         cache = runner.cache
@@ -131,7 +131,8 @@ class Beam:
             g.branch.fill_(pad)[:b].copy_(branch)
             g.positions.zero_()[: b * self.k].copy_(positions)
             g.children.zero_()[:b].copy_(self.children)
-            g.hidden.zero_()[:b].copy_(self.root_hidden)
+            if g.hidden is not None:
+                g.hidden.zero_()[:b].copy_(self.root_hidden)
 
         def body() -> tuple[Tensor, ...]:  # every pass starts at the first level, over the static tensors
             self.tokens, self.hidden, self.level = g.children, g.hidden, 0
@@ -166,7 +167,7 @@ class Beam:
             branch=torch.zeros(s, self.levels, k, dtype=torch.long, device=device),
             positions=torch.zeros(s * k, dtype=torch.long, device=device),
             children=torch.zeros(s, 1, k, dtype=torch.long, device=device),
-            hidden=self.root_hidden.new_zeros(s, self.root_hidden.shape[-1]),
+            hidden=None if self.root_hidden is None else self.root_hidden.new_zeros(s, self.root_hidden.shape[-1]),
             attn=[{} for _ in range(self.levels)])
 
     @torch.inference_mode()
@@ -181,8 +182,10 @@ class Beam:
         pick = choice.to(device).clamp(min=0)                                  # [S, k]
         parent = pick // k                                                     # [S, k] branch of each node's parent
         tokens = self.tokens.reshape(s, -1).gather(1, pick)                    # [S, k]
-        hidden = self.hidden.view(s, -1, self.hidden.shape[-1])                # [S, F, H]
-        features = hidden.gather(1, parent[..., None].expand(s, k, hidden.shape[-1]))  # [S, k, H]
+        inputs = {}
+        if self.hidden is not None:  # a node reads its parent's output
+            hidden = self.hidden.view(s, -1, self.hidden.shape[-1])            # [S, F, H]
+            inputs["features"] = hidden.gather(1, parent[..., None].expand(s, k, hidden.shape[-1])).view(s * k, -1)
         if d > 1:  # branch j takes over its parent's ancestors (gathered before any write)
             src = self.branch[:, : d - 1].gather(2, parent[:, None].expand(s, d - 1, k)).reshape(-1)
             dst = self.branch[:, : d - 1].reshape(-1)                          # [S * (d-1) * k]
@@ -192,11 +195,12 @@ class Beam:
             self.runner.attn.plan(self._batch(d, s, self.prefix.shape[1] + d))
         else:
             self.runner.attn.use(self.planned[d - 1])
-        out, _ = self.runner.model(tokens.view(-1), self.positions + d, self.runner.attn, (),
-                                   features=features.view(s * k, -1))          # [S * k, H]
+        out, _ = self.runner.model(tokens.view(-1), self.positions + d, self.runner.attn, (), **inputs)  # [S * k, H]
         logprobs = torch.log_softmax(self.compute_logits(out).float(), -1)      # [S * k, V_draft]
         top = top_children(logprobs, k, self.to_target, self.vocab_size)        # [S * k, 2k]
-        self.tokens, self.hidden, self.level = top[:, k:].long().view(s, k, k), out, d
+        self.tokens, self.level = top[:, k:].long().view(s, k, k), d
+        if self.hidden is not None:
+            self.hidden = out
         top = top.view(s, k, 2 * k).to(choice.device)                         # eager: the level's one copy back
         return top[..., k:].long(), top[..., :k].masked_fill((choice < 0)[..., None], float("-inf"))
 

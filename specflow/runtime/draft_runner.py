@@ -7,7 +7,8 @@ nodes fed in the current build, in feeding order. Invariant between steps:
 - The first expansion of a tree (frontier = the root) feeds the pending tokens and the root in
   one causal extend.
 - Later expansions feed the frontier nodes with a tree mask over the scratch, so each node sees
-  the committed prefix, its ancestors and itself.
+  the committed prefix, its ancestors and itself. (An EAGLE-2 build runs its later levels as a
+  ``beam`` instead, outside the scratch: specflow.runtime.beam.)
 - ``commit`` keeps the scratch K/V of the accepted nodes that were fed (always a prefix of the
   accepted path, found by token: a node's K/V depends only on its token path) and queues the
   rest of the accepted path as pending.
@@ -312,15 +313,18 @@ class TreeDraftRunner:
              to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:
         """The rest of an EAGLE-2 build as a Beam (specflow.runtime.beam), right after each
         request of ``roots`` fed its root alone and got its ``children`` [B, 1, k]; None where a
-        Beam cannot run it (no features, pages of several slots, a sliding window): the builder
-        then expands level by level."""
-        if not self.features or self.runner.cache.page_size != 1 or self.runner.model.config.sliding_window:
+        Beam cannot run it (pages of several slots, a sliding window): the builder then expands
+        level by level. Only the roots' K/V outlive the build (``commit``)."""
+        if self.runner.cache.page_size != 1 or self.runner.model.config.sliding_window:
             return None
         slots = np.array([self.states[r].slot for r in roots.request_ids], dtype=np.int64)
-        assert (self.scratch.size[slots] == 1).all() and (self.scratch.epoch[slots] == self.epoch).all(), \
-            "a beam starts right after its roots were fed"
-        rows = torch.from_numpy(self.scratch.out_row[slots, 0]).to(self.outputs.device)
-        return Beam(self.runner, list(roots.request_ids), self.outputs.index_select(0, rows), children, k, levels,
+        assert (self.scratch.size[slots] == 1).all(), "a beam starts right after its roots were fed"
+        root_hidden = None
+        if self.features:  # level 1 reads the roots' outputs
+            assert (self.scratch.epoch[slots] == self.epoch).all(), "the outputs of these trees are gone"
+            rows = torch.from_numpy(self.scratch.out_row[slots, 0]).to(self.outputs.device)
+            root_hidden = self.outputs.index_select(0, rows)
+        return Beam(self.runner, list(roots.request_ids), root_hidden, children, k, levels,
                     compute_logits, to_target or (lambda ids: ids))
 
     def _features(self, pieces: list) -> Tensor:

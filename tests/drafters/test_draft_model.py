@@ -25,9 +25,10 @@ def reference_logprobs(model, context: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("builder", [ChainBuilder(depth=3), StaticBuilder(preset="mc_sim_7b_63"),
                                      Eagle2Builder(topk=3, depth=3, num_draft_tokens=10)],
                          ids=["chain", "static", "eagle2"])
-def test_tree_scores_match_contiguous_draft_model(tiny_target, builder):
+@pytest.mark.parametrize("page_size", [1, 4])  # EAGLE-2 runs its beam with pages of one slot, level by level else
+def test_tree_scores_match_contiguous_draft_model(tiny_target, builder, page_size):
     model = load_model(tiny_target)
-    drafter = DraftModelDrafter(model, page_size=4)
+    drafter = DraftModelDrafter(model, page_size=page_size)
 
     def path_logprob(b, ctx, path):
         return sum(float(reference_logprobs(model, ctx + path[:d])[path[d]]) for d in range(len(path)))
