@@ -68,8 +68,8 @@ class Beam:
     cache ends with each request's root: a draft model, or an EAGLE-style model (``forward(...,
     features=)``), where a node reads its parent's output ``root_hidden`` [B, H] at the roots.
 
-    ``children`` [B, 1, k] are the root's children (target ids). Reserves ``levels * k`` slots per request past its cache, all
-    or nothing (OutOfPages).
+    ``children`` [B, 1, k] are the root's children (target ids). Reserves ``levels * k`` slots
+    per request past its cache, all or nothing (OutOfPages).
     """
 
     def __init__(self, runner: ModelRunner, request_ids: list[int], root_hidden: Tensor | None, children: Tensor,
