@@ -37,7 +37,7 @@ class GreedyVerifier:
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
         argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]: one copy
-        b, depth = tree.batch_size, int(tree.depth.max())
+        b, depth = tree.batch_size, int(tree.depth.max()) if tree.depth.numel() else 0
         node = torch.zeros(b, dtype=torch.long, device=argmax.device)          # [B] last accepted node
         accepted = torch.full((b, depth + 1), -1, dtype=torch.long, device=argmax.device)
         accepted[:, 0] = 0

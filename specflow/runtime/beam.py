@@ -60,7 +60,7 @@ class _BeamGraph:
     hidden: Tensor | None      # [S, H] the model's output at each root (EAGLE-style models)
     attn: list[dict]           # per level: the attention backend's graph state
     outputs: tuple[Tensor, ...] | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+    replay: Callable[[], None] | None = None  # once recorded
 
 
 class Beam:
@@ -144,21 +144,24 @@ class Beam:
         return tuple(out[:b].to(state[0].device, copy=True) for out in g.outputs)
 
     def _replay(self, g: _BeamGraph, body: Callable[[], tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
-        """Run ``body`` (the levels over g's static tensors) for this build. The first time, it
-        is recorded as capture runs it: a warm-up pass, then the recorded pass (into ``pool`` as
-        a CUDA graph; without a pool, eagerly: a CPU rehearsal of the same sequence); both
-        update the inputs, so they are loaded again before the pass that counts. Later calls
-        replay the graph (or run ``body`` eagerly)."""
-        if g.outputs is None:
+        """Replay ``g`` for this build. The first run records ``body`` (the levels over g's
+        static tensors) as capture runs it: a warm-up pass, then the recorded pass, both of
+        which update the inputs, so they are loaded again before the replay. With a ``pool``
+        the recording is a CUDA graph; without (CPU), the same passes run eagerly and every
+        replay re-runs this first build's ``body``, as a graph replays what it recorded: state
+        a later build would need but the recording froze shows up on a CPU too."""
+        if g.replay is None:
             if pool is not None:
-                g.graph, g.outputs = record(body, pool)
+                graph, g.outputs = record(body, pool)
+                g.replay = graph.replay
             else:
                 body(), body()
+
+                def rerun() -> None:
+                    g.outputs = body()
+                g.replay = rerun
             load()
-        if g.graph is not None:
-            g.graph.replay()
-        else:
-            g.outputs = body()
+        g.replay()
 
     def _new_graph(self, s: int, state: tuple[Tensor, ...]) -> "_BeamGraph":
         device, k = self.runner.device, self.k
