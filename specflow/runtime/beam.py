@@ -33,6 +33,7 @@ from torch import Tensor
 from specflow.runtime.attention import ForwardBatch
 from specflow.runtime.cuda_graph import PAD_REQUEST, kv_bucket, record
 from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.transfer import to_device, to_host
 
 
 def top_children(logprobs: Tensor, k: int, to_target: Callable[[Tensor], Tensor], vocab_size: int) -> Tensor:
@@ -89,13 +90,13 @@ class Beam:
         col = self.kv0[:, None] + np.arange(levels * k)                                     # [B, L * k]
         self.branch_np = np.take_along_axis(table, col, 1).reshape(b, levels, k)           # [B, L, k] slot of (level, branch)
         self.prefix = np.where(np.arange(width) < self.kv0[:, None], table[:, :width], 0)  # [B, P] slots, 0 past kv0
-        # what expand reads; run() swaps in a graph's static copies
+        # what expand reads (on the host until run() moves them, or swaps in a graph's static copies)
         self.rows = b                                                                      # requests, padding included
-        self.branch = torch.from_numpy(self.branch_np).to(runner.device)                   # [B, L, k]
-        self.positions = torch.from_numpy(np.repeat(self.kv0 - 1, k)).to(runner.device)    # [B * k]
+        self.branch = torch.from_numpy(self.branch_np)                                     # [B, L, k]
+        self.positions = torch.from_numpy(np.repeat(self.kv0 - 1, k))                      # [B * k]
         self.children, self.root_hidden = children, root_hidden                            # [B, 1, k], [B, H]
         self.planned: list[dict] | None = None  # per level, when planned before the run
-        self.tokens, self.hidden, self.level = children.to(runner.device), root_hidden, 0
+        self.tokens, self.hidden, self.level = children, root_hidden, 0
 
     @torch.inference_mode()
     def run(self, fn: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...],
@@ -109,8 +110,9 @@ class Beam:
         its inputs and ``expand`` alone, with device ops only, and ``key`` name that computation.
         Padding requests' inputs are zeros: what they expand touches the padding slot alone,
         and their outputs are dropped."""
-        graphs, b = self.runner.graphs, len(self.request_ids)
+        graphs, b, device = self.runner.graphs, len(self.request_ids), self.runner.device
         if graphs is None or b > graphs.sizes[-1]:  # eager: every level planned before its forward
+            self.branch, self.positions, self.tokens = to_device([self.branch, self.positions, self.children], device)
             return tuple(fn(*state))
         s = next(size for size in graphs.sizes if size >= b)
         batches = [self._batch(d, s, kv_bucket(self.prefix.shape[1] + self.levels)) for d in range(1, self.levels + 1)]
@@ -123,16 +125,16 @@ class Beam:
         for batch, planned in zip(batches, g.attn):
             attn.plan(batch, graph=planned)
         pad = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])                  # the padding slot
-        branch, positions = self.branch, self.positions                                    # this build's
+        # this build's inputs, moved in one copy, and their static tensors (padding: fill)
+        inputs = to_device([*state, self.branch, self.positions, self.children], device)
+        statics = [*g.state, g.branch, g.positions, g.children]
+        fills = [0] * len(state) + [pad, 0, 0]
+        if g.hidden is not None:
+            inputs, statics, fills = inputs + [self.root_hidden], statics + [g.hidden], fills + [0]
 
-        def load() -> None:  # this build's inputs into the static tensors
-            for static, x in zip(g.state, state):
-                static.zero_()[:b].copy_(x)
-            g.branch.fill_(pad)[:b].copy_(branch)
-            g.positions.zero_()[: b * self.k].copy_(positions)
-            g.children.zero_()[:b].copy_(self.children)
-            if g.hidden is not None:
-                g.hidden.zero_()[:b].copy_(self.root_hidden)
+        def load() -> None:  # this build's inputs into the static tensors (rows past them: padding)
+            for static, x, fill in zip(statics, inputs, fills):
+                static.fill_(fill)[: len(x)].copy_(x)
 
         def body() -> tuple[Tensor, ...]:  # every pass starts at the first level, over the static tensors
             self.tokens, self.hidden, self.level = g.children, g.hidden, 0
@@ -141,7 +143,10 @@ class Beam:
         load()
         self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
         self._replay(g, body, load, graphs.pool if graphs.capture else None)
-        return tuple(out[:b].to(state[0].device, copy=True) for out in g.outputs)
+        outputs = [out[:b] for out in g.outputs]  # (the next replay overwrites them: copies)
+        if state[0].device.type == "cpu":
+            return tuple(to_host(outputs))  # one copy back
+        return tuple(out.to(state[0].device, copy=True) for out in outputs)
 
     def _replay(self, g: _BeamGraph, body: Callable[[], tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
         """Replay ``g`` for this build. The first run records ``body`` (the levels over g's
@@ -182,7 +187,7 @@ class Beam:
         assert self.level < self.levels, f"the beam was reserved for {self.levels} levels"
         s, k, cache, device = self.rows, self.k, self.runner.cache, self.runner.device
         d = self.level + 1
-        pick = choice.to(device).clamp(min=0)                                  # [S, k]
+        pick = choice.to(device, non_blocking=True).clamp(min=0)                                  # [S, k]
         parent = pick // k                                                     # [S, k] branch of each node's parent
         tokens = self.tokens.reshape(s, -1).gather(1, pick)                    # [S, k]
         inputs = {}

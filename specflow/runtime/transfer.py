@@ -1,0 +1,60 @@
+"""Host <-> device transfers of several small tensors as one copy.
+
+A copy from pageable host memory with ``non_blocking=False`` makes the host wait for all the
+GPU work queued before it, and a device-to-host copy always does; a step that moves ten small
+tensors one by one waits ten times. These helpers move a group of tensors as one buffer of
+bytes: ``to_device`` packs the host ones into one pinned buffer and copies it without waiting,
+``to_host`` packs the device ones on the device and copies them back once.
+
+Bytes are packed largest element first, so every tensor starts at a multiple of its element
+size and unpacks as a view.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+    """The bytes of ``tensors`` (one device) as one uint8 tensor [sum of nbytes], in the order
+    ``unpack`` reads them (largest element first)."""
+    parts = [t.reshape(-1).view(torch.uint8) for t in sorted(tensors, key=lambda t: -t.element_size())]
+    return torch.cat(parts, out=out)
+
+
+def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Views of ``buffer`` (``pack``'s bytes) with the dtypes and shapes of ``like``, in order."""
+    out: list[Tensor | None] = [None] * len(like)
+    offset = 0
+    for i in sorted(range(len(like)), key=lambda i: -like[i].element_size()):
+        n = like[i].numel() * like[i].element_size()
+        out[i] = buffer[offset : offset + n].view(like[i].dtype).view(like[i].shape)
+        offset += n
+    return out
+
+
+def to_device(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """``tensors`` on ``device`` (those already there as they are), the host ones with one
+    copy that does not wait for the GPU: packed into a pinned buffer, which the caching host
+    allocator keeps until the copy has run."""
+    device = torch.device(device)
+    moving = [t for t in tensors if t.device != device]
+    if device.type != "cuda" or not moving:
+        return [t.to(device) for t in tensors]
+    assert all(t.device.type == "cpu" for t in moving), "to_device moves host tensors"
+    staged = pack(moving, out=torch.empty(sum(t.nbytes for t in moving), dtype=torch.uint8, pin_memory=True))
+    moved = iter(unpack(staged.to(device, non_blocking=True), moving))
+    return [t if t.device == device else next(moved) for t in tensors]
+
+
+def to_host(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Host copies of ``tensors`` (host ones cloned), the device ones with one device-to-host
+    copy of their packed bytes."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    if not on_device:
+        return [t.clone() for t in tensors]
+    moved = iter(unpack(pack(on_device).cpu(), on_device))
+    return [t.clone() if t.device.type == "cpu" else next(moved) for t in tensors]
