@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specflow.runtime.transfer import to_device
+
 
 @dataclass
 class SamplingParams:
@@ -114,21 +116,19 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if bool(sampling.greedy.all()):
         return one_hot
-    greedy = sampling.greedy.to(logits.device).view(b, 1, 1)
-    temp = sampling.temperature.to(logits.device).clamp(min=1e-5).view(b, 1, 1)
+    greedy, temp, top_k, top_p, min_p = (x.view(b, 1, 1) for x in to_device(
+        [sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], logits.device))
+    temp = temp.clamp(min=1e-5)
     probs = torch.softmax(logits / temp, dim=-1)
 
     # top-k and top-p on the sorted distribution; the top token always survives
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, N, V]
     rank = torch.arange(v, device=logits.device).view(1, 1, v)
-    top_k = sampling.top_k.to(logits.device).view(b, 1, 1)
     drop = (top_k > 0) & (rank >= top_k)
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-    top_p = sampling.top_p.to(logits.device).view(b, 1, 1)
     mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly better tokens
     sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)  # top_p 1: cumsum rounding cuts nothing
-    min_p = sampling.min_p.to(logits.device).view(b, 1, 1)
     sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     probs = probs / probs.sum(-1, keepdim=True)
@@ -146,7 +146,7 @@ def next_tokens(logits: Tensor, sampling: SamplingBatch) -> list[int]:
     greedy, argmax = sampling.greedy.tolist(), logits.argmax(-1).tolist()
     if all(greedy):
         return argmax
-    probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V]
+    probs = target_probs(logits[:, None], sampling)[:, 0].cpu()  # [B, V]: one copy
     return [argmax[b] if greedy[b] else sample(probs[b], sampling.generators[b]) for b in range(len(greedy))]
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from specflow.registry import VERIFIERS
+from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, target_probs
 from specflow.tree import DraftTree, Verdict
 from verifiers.walk import HostTree, Residual, make_verdict, sample_bonus
@@ -47,15 +48,15 @@ class TypicalVerifier:
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         logits = target_logits.float()
         b, n, v = logits.shape
-        temp = sampling.temperature.to(logits.device).clamp(min=1e-5).view(b, 1, 1)
+        temp, greedy = to_device([sampling.temperature, sampling.greedy], logits.device)
+        temp = temp.clamp(min=1e-5).view(b, 1, 1)
         p = torch.softmax(logits / temp, dim=-1)                                   # [B, N, V]
         floor = torch.clamp(self.delta * torch.exp(-torch.special.entr(p).sum(-1)), max=self.epsilon)  # [B, N]
         parents = tree.parents.clamp(min=0)                                         # [B, N]
         p_draft = p.reshape(b, n * v).gather(1, parents * v + tree.tokens)          # [B, N]
         typical = p_draft > floor.gather(1, parents)
-        greedy = sampling.greedy.to(logits.device).view(b, 1)
         is_argmax = tree.tokens == logits.argmax(-1).gather(1, parents)
-        passes = torch.where(greedy, is_argmax, typical).cpu().tolist()             # [B, N]
+        passes = torch.where(greedy.view(b, 1), is_argmax, typical).cpu().tolist()             # [B, N]
 
         host = HostTree.of(tree)
         paths, residuals = [], []

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from specflow.runtime.flashinfer_backend import FlashinferBackend, flashinfer_supports
 from specflow.runtime.kv_cache import PagedKVCache
+from specflow.runtime.transfer import to_device
 
 
 @dataclass
@@ -107,15 +108,15 @@ class TorchBackend:
             mask &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window
         mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
-        self.kv_index = batch.kv_index.to(device)                                      # [B, max_kv]
-        if mask.all() and graph is None:  # every key visible (e.g. one request decoding): no mask at all
-            self.mask = None
-        else:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
-            bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf")))
-            self.mask = bias[:, None].to(device, self.cache.k.dtype)                   # [B, 1, max_q, max_kv]
-        self.q_rows = torch.from_numpy(np.flatnonzero(new)).to(device)                 # [T] padded row of each token
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
-        self.slot_mapping = batch.slot_mapping.to(device)                              # [T]
+        host = [batch.kv_index, torch.from_numpy(np.flatnonzero(new)), batch.slot_mapping]  # [B, max_kv], [T], [T]
+        if not mask.all() or graph is not None:  # (every key visible, e.g. one request decoding: no mask at all)
+            host.append(torch.from_numpy(mask)[:, None])                                # [B, 1, max_q, max_kv]
+        self.kv_index, self.q_rows, self.slot_mapping, *visible = to_device(host, device)  # one copy
+        self.mask = None
+        if visible:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
+            self.mask = torch.zeros(visible[0].shape, dtype=self.cache.k.dtype, device=device)
+            self.mask.masked_fill_(~visible[0], float("-inf"))
         if graph is not None:  # a graph replays from the same tensors: write into them in place
             for name in ("kv_index", "mask", "q_rows", "slot_mapping"):
                 new, static = getattr(self, name), graph.setdefault(name, getattr(self, name))

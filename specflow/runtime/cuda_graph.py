@@ -33,6 +33,7 @@ from torch import Tensor
 
 from specflow.runtime.attention import ForwardBatch
 from specflow.runtime.kv_cache import OutOfPages
+from specflow.runtime.transfer import to_device
 
 T = TypeVar("T")
 PAD_REQUEST = -1  # cache entry owning the padding page(s) of every graph
@@ -135,9 +136,9 @@ class GraphRunner:
         if g is None:
             g = self.graphs[key] = self._new_graph(size * n, inputs)
         self.runner.attn.plan(padded, graph=g.attn_state)
-        rows = rows.to(self.runner.device)
+        rows, positions = to_device([rows, padded.positions], self.runner.device)
         g.input_ids.zero_().index_copy_(0, rows, input_ids)
-        g.positions.copy_(padded.positions)
+        g.positions.copy_(positions)
         for name, x in inputs.items():
             g.inputs[name].zero_().index_copy_(0, rows, x)
         if g.hidden is None:

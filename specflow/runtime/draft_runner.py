@@ -45,6 +45,7 @@ from torch import Tensor
 
 from specflow.runtime.beam import Beam, top_children
 from specflow.runtime.model_runner import ModelRunner
+from specflow.runtime.transfer import to_device
 from specflow.tree import Expansion, Frontier, Roots
 
 
@@ -296,7 +297,7 @@ class TreeDraftRunner:
         out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
                                  tree_masks=batch.tree_masks, logits="none", inputs=inputs)
         bi, fi, rows = (torch.from_numpy(x) for x in batch.rows())
-        hidden = out.hidden.index_select(0, rows.to(out.hidden.device))                 # [R, H]
+        hidden = out.hidden.index_select(0, *to_device([rows], out.hidden.device))      # [R, H]
         if self.features:
             self._keep_outputs(batch, hidden)
         logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
@@ -322,7 +323,7 @@ class TreeDraftRunner:
         root_hidden = None
         if self.features:  # level 1 reads the roots' outputs
             assert (self.scratch.epoch[slots] == self.epoch).all(), "the outputs of these trees are gone"
-            rows = torch.from_numpy(self.scratch.out_row[slots, 0]).to(self.outputs.device)
+            rows, = to_device([torch.from_numpy(self.scratch.out_row[slots, 0])], self.outputs.device)
             root_hidden = self.outputs.index_select(0, rows)
         return Beam(self.runner, list(roots.request_ids), root_hidden, children, k, levels,
                     compute_logits, to_target or (lambda ids: ids))
@@ -336,7 +337,7 @@ class TreeDraftRunner:
                 rows.append(piece)
                 continue
             if rows:
-                index = torch.from_numpy(np.concatenate(rows)).to(self.outputs.device)
+                index, = to_device([torch.from_numpy(np.concatenate(rows))], self.outputs.device)
                 chunks.append(self.outputs.index_select(0, index))
                 rows = []
             if piece is not None:

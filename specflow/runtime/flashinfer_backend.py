@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.kv_cache import PagedKVCache
+from specflow.runtime.transfer import to_device
 
 if TYPE_CHECKING:
     from specflow.runtime.attention import ForwardBatch
@@ -112,7 +113,7 @@ def positions_are_indices(batch: ForwardBatch) -> bool:
 
 
 def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
-                device: torch.device | None = None) -> Tensor:
+                device: torch.device | str = "cpu") -> Tensor:
     """Flattened bool mask, length sum(qo_len * kv_len), request-major, row-major per request.
 
     Request r's new token i sees logical index j < kv_len when j <= prefix_len + i (the prefix
@@ -124,8 +125,19 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
     over requests, and only the tree masks, not the prefix columns, cross to the device).
     """
     b, qo_lens = len(batch.request_ids), batch.qo_lens
-    p = torch.tensor(batch.prefix_lens, device=device)                                  # [B]
-    n = torch.tensor(qo_lens, device=device)                                            # [B]
+    m = [0 if t is None else t.shape[1] for t in batch.tree_masks]  # request r's tree mask: its last m_r columns
+    host = [torch.tensor(batch.prefix_lens), torch.tensor(qo_lens), torch.tensor(m)]    # (m_r = 0 where causal)
+    has_trees = max(m) > 0
+    if has_trees:
+        trees = np.zeros((b, max(qo_lens), max(m)), dtype=bool)                        # [B, max_q, max_m]
+        for row, t in zip(trees, batch.tree_masks):
+            if t is not None:
+                row[: t.shape[0], : t.shape[1]] = t.cpu().numpy()
+        host.append(torch.from_numpy(trees))
+    if sliding_window is not None:
+        host.append(batch.positions)                                                    # [T]
+    p, n, m, *rest = to_device(host, device)                                            # [B] each: one copy
+    trees = rest.pop(0) if has_trees else None
     kv = p + n
     sizes = n * kv                                                                      # [B] bits per request
     total = sum(q * (pre + q) for pre, q in zip(batch.prefix_lens, qo_lens))
@@ -134,17 +146,12 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
     i, j = k // kv[r], k % kv[r]                                                        # [S] query row, key column
     new = j - p[r]                                                                      # [S] key among the new tokens (< 0: prefix)
     mask = new <= i
-    if any(t is not None for t in batch.tree_masks):  # request r's tree mask covers its last m_r columns
-        m = [0 if t is None else t.shape[1] for t in batch.tree_masks]                  # (m_r = 0 where causal)
-        trees = np.zeros((b, max(qo_lens), max(m)), dtype=bool)                        # [B, max_q, max_m]
-        for row, t in zip(trees, batch.tree_masks):
-            if t is not None:
-                row[: t.shape[0], : t.shape[1]] = t.cpu().numpy()
-        col = j - (kv - torch.tensor(m, device=device))[r]                             # [S] column in the tree mask
-        bit = torch.from_numpy(trees).to(device)[r, i, col.clamp(min=0)]               # [S]
+    if trees is not None:
+        col = j - (kv - m)[r]                                                           # [S] column in the tree mask
+        bit = trees[r, i, col.clamp(min=0)]                                             # [S]
         mask = torch.where(col >= 0, bit, mask)  # (no boolean indexing: that would sync with the host)
     if sliding_window is not None:
-        positions = batch.positions.to(device)                                          # [T]
+        positions = rest.pop(0)
         first = (torch.cumsum(n, 0) - n)[r]                                             # [S] row of the request's first new token
         query_pos = positions[first + i]
         key_pos = torch.where(new >= 0, positions[first + new.clamp(min=0)], j)
@@ -212,14 +219,14 @@ class FlashinferBackend:
             self._check_graph(graph, batch, decode)
             decode = graph["decode"]
         args = self._decode_args(batch) if decode else self._prefill_args(batch, graph is not None or needs_mask)
+        slot_mapping, = to_device([batch.slot_mapping], self.cache.k.device)            # [T]
         if graph is None:
-            self.wrapper = self.decode if decode else self.prefill
-            self.slot_mapping = batch.slot_mapping.to(self.cache.k.device)             # [T]
+            self.wrapper, self.slot_mapping = self.decode if decode else self.prefill, slot_mapping
         else:  # the replay reads the graph's tensors: write into them, never rebind
             if not decode:  # fa2 then sizes its query tiles for N rows, not for the ragged worst case
                 args["uniform_q_len"] = batch.qo_lens[0]
             self.wrapper = graph["wrapper"]
-            self.slot_mapping = graph["slot_mapping"].copy_(batch.slot_mapping)         # [B * N]
+            self.slot_mapping = graph["slot_mapping"].copy_(slot_mapping)               # [B * N]
         if self.num_qo_heads is None:  # planned at the first layer's forward
             self.plan_args = args
         else:

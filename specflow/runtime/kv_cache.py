@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specflow.runtime.transfer import to_device
+
 
 class OutOfPages(RuntimeError):
     """The KV pool cannot hold the requested tokens. Nothing was allocated; the engine queues
@@ -140,7 +142,8 @@ class PagedKVCache:
                 src.append(slots[[keep[j] for j in moved]])
                 dst.append(slots[moved])
         if src:
-            index = torch.from_numpy(np.stack([np.concatenate(src), np.concatenate(dst)])).to(self.k.device)  # [2, M]
+            index, = to_device([torch.from_numpy(np.stack([np.concatenate(src), np.concatenate(dst)]))],
+                               self.k.device)                                            # [2, M]
             for pool in (self.k, self.v):
                 pool[:, index[1]] = pool[:, index[0]]  # gathered before any write
         for r, base, keep in zip(request_ids, bases, keeps):

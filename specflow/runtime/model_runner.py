@@ -13,6 +13,7 @@ from torch import Tensor
 from specflow.runtime.attention import BACKENDS, ForwardBatch
 from specflow.runtime.cuda_graph import GraphRunner
 from specflow.runtime.kv_cache import OutOfPages, PagedKVCache
+from specflow.runtime.transfer import to_device
 
 
 @dataclass
@@ -107,9 +108,11 @@ class ModelRunner:
         graph_n = self._reserve(request_ids, prefix_lens, qo_lens, tree_masks)
         if positions is None:
             positions = [range(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
-        positions = token_flat(positions)
-        input_ids = token_flat(token_ids).to(self.device)
-        extra = {name: t.to(self.device) for name, t in (inputs or {}).items()}
+        positions = token_flat(positions)                                              # [T]
+        inputs = inputs or {}
+        input_ids, device_positions, *values = to_device([token_flat(token_ids), positions, *inputs.values()],
+                                                         self.device)                 # one copy
+        extra = dict(zip(inputs, values))
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
         if graph_n is not None:  # the graph runner lays out the padded batch
             hidden, tapped = self.graphs.forward(list(request_ids), prefix_lens, qo_lens, graph_n, positions,
@@ -117,7 +120,7 @@ class ModelRunner:
         else:
             batch = ForwardBatch.build(self.cache, request_ids, prefix_lens, qo_lens, positions, tree_masks)
             self.attn.plan(batch)
-            hidden, tapped = self.model(input_ids, batch.positions.to(self.device), self.attn, taps, **extra)
+            hidden, tapped = self.model(input_ids, device_positions, self.attn, taps, **extra)
         for r, p, q in zip(request_ids, prefix_lens, qo_lens):
             self.cache.kv_lens[r] = p + q
         offsets = [0]
