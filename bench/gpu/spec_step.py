@@ -90,6 +90,9 @@ def run(args) -> dict:
                 "is meaningless and spec_tok_s is no speedup estimate; a trained head commits "
                 "more tokens per step at the same step time",
     }
+    # batch 1: where the host waits for the GPU in a step (blocking copies and reads)
+    result["decode_sync_points"] = gpu.sync_points(plain, prompts[0], device)
+    result["spec_sync_points"] = gpu.sync_points(spec, prompts[0], device, max_tokens_per_step=TREE["depth"] + 1)
     if args.profile:  # batch 1, where host work matters most
         gpu.profile_steps(spec, prompts[0], device, Path(args.out).with_suffix(".profile.txt"),
                           max_tokens_per_step=TREE["depth"] + 1)

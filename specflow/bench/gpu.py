@@ -11,6 +11,8 @@ import argparse
 import json
 import statistics
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -152,6 +154,31 @@ def profile_steps(engine: SpecEngine, prompt: list[int], device: torch.device, p
     path.write_text("".join(f"== {steps} engine steps, by {title}\n{table.table(sort_by=key, row_limit=40)}\n"
                             for title, key in sections))
     print(f"wrote {path}")
+
+
+def sync_points(engine: SpecEngine, prompt: list[int], device: torch.device, steps: int = 5,
+                max_tokens_per_step: int = 1) -> dict | None:
+    """Where ``engine.step()`` makes the host wait for the GPU (CUDA's sync debug mode, which
+    flags blocking copies, ``.item()``, ``.tolist()`` and the like) over ``steps`` steps of one
+    running request after warm-up: ``per_step`` and the count per calling ``file:line``.
+    None off CUDA."""
+    if device.type != "cuda":
+        return None
+    params = SamplingParams(temperature=0.0, max_tokens=(steps + 4) * max_tokens_per_step, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    for _ in range(3):  # prefill, then warm-up steps (graph capture)
+        engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.abort(rid)
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"per_step": sum(sites.values()) / steps, "sites": dict(sites.most_common())}
 
 
 def tokens_per_step(outs) -> float:
