@@ -59,12 +59,19 @@ class AttentionBackend(Protocol):
     in it everything ``forward`` reads (device tensors, which every later plan for that graph
     rewrites in place, so a replay reads the new batch's metadata) and makes it the current plan;
     ``use(state)`` makes a state planned earlier the current plan again, without host work (a
-    graph of several forwards, each planned before the replay: specflow.runtime.beam)."""
+    graph of several forwards, each planned before the replay: specflow.runtime.beam).
+
+    A graph is keyed by its batch size, tokens per request and ``graph_key(batch)``, and one
+    state serves every batch of its key that ``graph_fits``; a batch that does not fit (a KV
+    index wider than the graph's buffers hold) gets a new graph in place of the old one."""
 
     supports_graphs: bool
 
     def graph_key(self, batch: ForwardBatch) -> Hashable:
-        """What a graph captured for ``batch`` depends on beyond its shapes (e.g. which kernel)."""
+        """What a graph captured for ``batch`` depends on beyond its batch size and tokens per
+        request (its tensors' KV width, which kernel)."""
+    def graph_fits(self, graph: dict, batch: ForwardBatch) -> bool:
+        """Whether the graph state ``graph`` (planned before) can plan ``batch`` of its key."""
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None: ...
     def use(self, graph: dict) -> None: ...
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -81,7 +88,10 @@ class TorchBackend:
         self.sliding_window = sliding_window
 
     def graph_key(self, batch: ForwardBatch) -> Hashable:
-        return None  # one code path for every batch of a shape
+        return batch.kv_index.shape[1]  # the width of every tensor the graph reads
+
+    def graph_fits(self, graph: dict, batch: ForwardBatch) -> bool:
+        return True  # (the key has the width)
 
     def plan(self, batch: ForwardBatch, graph: dict | None = None) -> None:
         device = self.cache.k.device

@@ -12,7 +12,7 @@ level's layout is known before the first, and nothing between levels needs the h
 ``expand`` once per level) over ``state``. With CUDA graphs on, every level's attention is
 planned before the run, the batch is padded to a captured size (padding requests read and
 write only the graphs' padding page, and their outputs are dropped), and ``fn`` replays as one graph
-recorded per (key, padded size, KV width bucket): one replay per build, where a level-by-level
+recorded per (key, padded size, the backend's graph_key): one replay per build, where a level-by-level
 build pays a host round trip, a plan and a launch of every kernel per level (SGLang's EAGLE
 draft graph). On a CPU the same padded static path runs eagerly.
 
@@ -118,9 +118,9 @@ class Beam:
         batches = [self._batch(d, s, kv_bucket(self.prefix.shape[1] + self.levels)) for d in range(1, self.levels + 1)]
         attn = self.runner.attn
         shapes = tuple((x.shape[1:], x.dtype) for x in state)
-        gkey = (key, s, batches[0].kv_index.shape[1], shapes, attn.graph_key(batches[0]))
+        gkey = (key, s, shapes, attn.graph_key(batches[0]))
         g = graphs.beams.get(gkey)
-        if g is None:
+        if g is None or not attn.graph_fits(g.attn[0], batches[0]):  # (levels share a width; outgrown: replaced)
             g = graphs.beams[gkey] = self._new_graph(s, state)
         for batch, planned in zip(batches, g.attn):
             attn.plan(batch, graph=planned)

@@ -2,9 +2,10 @@
 nodes per request) and short causal extends (a drafter catching up on accepted tokens), padded
 to captured batch sizes.
 
-A graph is keyed by ``(batch size, tokens per request, KV width, taps, extra inputs, the
-backend's graph_key)``. Each call pads the batch with dummy requests up to the captured batch
-size and the KV width up to a bucket, plans the attention for the padded batch into the graph's
+A graph is keyed by ``(batch size, tokens per request, taps, extra inputs, the backend's
+graph_key)`` (the KV width, for a backend whose tensors have it: TorchBackend's); a batch the
+graph's buffers do not fit (``graph_fits``) gets a new graph in its place. Each call pads the
+batch with dummy requests up to the captured batch size and the KV width up to a bucket, plans the attention for the padded batch into the graph's
 own buffers (the backend's ``plan(batch, graph=state)``), copies the inputs into the graph's
 static buffers, then replays. Padding is rebuilt on every call, so nothing it computes reaches a
 real token:
@@ -46,7 +47,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 def kv_bucket(kv_len: int, smallest: int = 128) -> int:
-    """The KV width a graph is captured for: the next power of two >= kv_len (at least ``smallest``)."""
+    """The KV width a graph's batch is padded to: the next power of two >= kv_len (at least ``smallest``)."""
     width = smallest
     while width < kv_len:
         width *= 2
@@ -130,10 +131,10 @@ class GraphRunner:
         """Plan ``padded`` (n tokens per row) into its graph, copy the real tokens' inputs to
         their ``rows`` of the static buffers, replay (capture the first time), and return the
         real rows' outputs."""
-        size, width = len(padded.request_ids), padded.kv_index.shape[1]
-        key = (size, n, width, taps, tuple(inputs), self.runner.attn.graph_key(padded))
+        size = len(padded.request_ids)
+        key = (size, n, taps, tuple(inputs), self.runner.attn.graph_key(padded))
         g = self.graphs.get(key)
-        if g is None:
+        if g is None or not self.runner.attn.graph_fits(g.attn_state, padded):  # (an outgrown graph goes)
             g = self.graphs[key] = self._new_graph(size * n, inputs)
         self.runner.attn.plan(padded, graph=g.attn_state)
         rows, positions = to_device([rows, padded.positions], self.runner.device)

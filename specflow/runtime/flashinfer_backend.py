@@ -21,9 +21,11 @@ CUDA graphs (``plan(batch, graph=state)``, see specflow.runtime.cuda_graph): ``p
 and cannot be captured, so every graph owns a wrapper built with ``use_cuda_graph=True`` over
 fixed device buffers; each later ``plan`` for that graph rewrites those buffers in place (the
 wrapper's own graph-mode ``plan`` does the ``copy_``), and the replay reads them. The graph
-runner pads every batch of one graph to the same shape: B requests, N tokens each, and a KV
-index W wide, so a request's KV length is at most W and its page count at most
-ceil(W / page_size). A dummy request (padding) is an ordinary row here: its page-table entries
+runner pads every batch of one graph to B requests of N tokens each; its buffers are sized at
+the first plan for a KV index W wide, so a request's KV length is at most W and its page count
+at most ceil(W / page_size). Nothing captured depends on W (a graph-mode wrapper launches a grid
+fixed by B), so one graph serves every narrower batch (``graph_fits``), and the graph runner
+captures a wider one in its place when a batch outgrows it. A dummy request (padding) is an ordinary row here: its page-table entries
 are its own reserved page, its mask row is causal over its own N tokens (never empty), and its
 K/V goes to that page only. The buffers:
 
@@ -196,6 +198,11 @@ class FlashinferBackend:
     def graph_key(self, batch: ForwardBatch) -> Hashable:
         return self.uses_decode_kernel(batch)  # a decode graph never replays a masked batch
 
+    def graph_fits(self, graph: dict, batch: ForwardBatch) -> bool:
+        """Whether the graph's buffers hold ``batch``'s page table and masks: its KV index is no
+        wider than the first batch's (the kernels are captured for a batch size, not a width)."""
+        return not graph or batch.kv_index.shape[1] <= graph["shape"][2]
+
     def uses_decode_kernel(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` runs the decode wrapper: one token per request, no window over tree
         positions, and no tree mask that hides a key (a one-token node that sees every earlier
@@ -285,9 +292,10 @@ class FlashinferBackend:
 
     @staticmethod
     def _check_graph(graph: dict, batch: ForwardBatch, decode: bool) -> None:
-        shape = (len(batch.request_ids), batch.qo_lens[0], batch.kv_index.shape[1])
-        assert all(q == shape[1] for q in batch.qo_lens), "a graph's batch sends N tokens per request"
-        assert graph["shape"] == shape, f"graph planned for (B, N, W) = {graph['shape']}, got {shape}"
+        b, n, width = len(batch.request_ids), batch.qo_lens[0], batch.kv_index.shape[1]
+        assert all(q == n for q in batch.qo_lens), "a graph's batch sends N tokens per request"
+        assert graph["shape"][:2] == (b, n) and width <= graph["shape"][2], \
+            f"graph planned for (B, N, W <=) {graph['shape']}, got {(b, n, width)}"
         if graph["decode"] and not decode:
             raise ValueError("FlashinferBackend: this CUDA graph was captured with the decode kernel, which "
                              "cannot apply a tree mask or a window over tree positions; key graphs on "

@@ -20,7 +20,8 @@ from specflow.models import load_model
 from specflow.runtime import flashinfer_backend
 from specflow.runtime import attention
 from specflow.runtime.attention import ForwardBatch, TorchBackend
-from specflow.runtime.cuda_graph import PAD_REQUEST
+from specflow.runtime.beam import Beam
+from specflow.runtime.cuda_graph import PAD_REQUEST, GraphRunner
 from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask, flashinfer_available,
                                                  flashinfer_supports, page_table, positions_are_indices)
 from specflow.runtime.kv_cache import PagedKVCache
@@ -379,7 +380,9 @@ def test_graphs_need_the_head_count(fake_flashinfer):
 # and graphs (B, N, W) = (4, 1, 128) and (4, 4, 128) replanned with another batch
 GRAPH_STEPS = [([0, 1, 2], 1), ([1, 3, 4], 1), ([0, 2, 3], 4), ([1, 3, 4], 4), ([0, 5], 1),
                ([0, 1, 2, 3, 5], 4), ([5], 4), ([0, 1, 2, 3, 4], 4), ([1, 2, 3, 5], 1)]
-GRAPH_SHAPES = {(4, 1, 128), (4, 4, 128), (2, 1, 256), (8, 4, 256), (1, 4, 256), (8, 4, 128), (4, 1, 256)}
+# (batch size, tokens per request) -> the KV widths its graphs were planned for, in order: one graph
+# per key serves every narrower batch, and a wider one replaces it
+GRAPH_WIDTHS = {(4, 1): [128, 256], (4, 4): [128], (2, 1): [256], (8, 4): [256], (1, 4): [256]}
 
 
 def graph_runners(model, page_size):
@@ -393,7 +396,8 @@ def graph_runners(model, page_size):
 
 def run_graph_steps(plain, graphed, g, tol) -> dict:
     """Prefill six requests on both runners, then GRAPH_STEPS with random trees; outputs and every
-    request's K/V (after committing a random path) must agree. Returns each graph's wrapper."""
+    request's K/V (after committing a random path) must agree. Returns the wrappers of each
+    (batch size, tokens per request), in order."""
     vocab = plain.model.config.vocab_size
     rids = list(range(6))
     prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (5, 17, 33, 9, 21, 140)]
@@ -416,11 +420,16 @@ def run_graph_steps(plain, graphed, g, tol) -> dict:
         for r in rids:
             for ours, theirs in zip(cached_kv(graphed, r), cached_kv(plain, r)):
                 torch.testing.assert_close(ours, theirs, **tol)
-        for key, graph in graphed.graphs.graphs.items():  # one wrapper per graph, for good
-            assert wrappers.setdefault(key[:3], graph.attn_state["wrapper"]) is graph.attn_state["wrapper"]
-    assert set(wrappers) == GRAPH_SHAPES
+        for key, graph in graphed.graphs.graphs.items():  # a graph's wrapper is its own until a wider batch
+            seen = wrappers.setdefault(key[:2], [])
+            if not seen or seen[-1] is not graph.attn_state["wrapper"]:
+                seen.append(graph.attn_state["wrapper"])
+        assert len(graphed.graphs.graphs) == len(wrappers), "one graph per (batch size, tokens per request)"
+    states = {key[:2]: graph.attn_state for key, graph in graphed.graphs.graphs.items()}
+    assert {key: len(ws) for key, ws in wrappers.items()} == {key: len(w) for key, w in GRAPH_WIDTHS.items()}
+    assert all(states[key]["shape"][2] == widths[-1] for key, widths in GRAPH_WIDTHS.items())
     assert all(w.is_cuda_graph_enabled and type(w) is type(graphed.attn.decode if n == 1 else graphed.attn.prefill)
-               for (_, n, _), w in wrappers.items())
+               for (_, n), ws in wrappers.items() for w in ws)
     return wrappers
 
 
@@ -430,21 +439,33 @@ def test_graph_runner_with_flashinfer_matches_torch(fake_flashinfer, tiny_target
     plain TorchBackend forwards."""
     plain, graphed = graph_runners(load_model(tiny_target, device="cpu"), page_size)
     wrappers = run_graph_steps(plain, graphed, torch.Generator().manual_seed(page_size), dict(atol=1e-4, rtol=1e-4))
-    assert wrappers[(4, 1, 128)].plans == wrappers[(4, 4, 128)].plans == 2
+    assert wrappers[(4, 1)][0].plans == wrappers[(4, 4)][0].plans == 2  # (4, 1): then replaced by a wider graph
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "draft", "medusa"])
-def test_engine_over_flashinfer_graphs_matches_torch(fake_flashinfer, drafter):
+def test_engine_over_flashinfer_graphs_matches_torch(fake_flashinfer, monkeypatch, drafter):
     """The whole engine over the fake flashinfer with CUDA graphs on (eager on CPU), drafters
     included: their tree levels, their catch-ups of uneven lengths, tree verification and decode
-    give the torch backend's greedy output."""
+    give the torch backend's greedy output, also across graphs that a request outgrows (its
+    context passes 128 tokens) and that wider ones replace."""
     zoo = "zoo/tiny-code"
     node = {"eagle": {"type": "eagle", "path": f"{zoo}/eagle"},
             "draft": {"type": "draft_model", "path": f"{zoo}/draft"},
             "medusa": {"type": "medusa", "path": f"{zoo}/medusa"}}[drafter]
     tree = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
-    prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 6)]
+    prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def __init__(self",
+               "for i in range(10):\n    print(i)\n" * 8]  # 112 tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 6, 24)]
+    made = []  # every graph made, replaced ones included
+
+    def counted(new_graph):
+        def call(self, *args):
+            made.append(new_graph(self, *args))
+            return made[-1]
+        return call
+
+    for owner in (GraphRunner, Beam):
+        monkeypatch.setattr(owner, "_new_graph", counted(owner._new_graph))
     engines = [SpecEngine(f"{zoo}/target", node, tree, {"type": "greedy"}, device="cpu", dtype="float32",
                           backend=backend, cuda_graphs=graphs) for backend, graphs in (("torch", False),
                                                                                         ("flashinfer", True))]
@@ -457,6 +478,9 @@ def test_engine_over_flashinfer_graphs_matches_torch(fake_flashinfer, drafter):
     if drafter == "eagle":  # EAGLE-2's levels as beam graphs, each level's decode wrapper planned before the run
         beams = engines[1].drafter.runner.runner.graphs.beams.values()
         assert beams and all(state["decode"] for beam in beams for state in beam.attn)
+    runners = [engines[1].runner] + ([engines[1].drafter.runner.runner] if drafter != "medusa" else [])
+    kept = sum(len(r.graphs.graphs) + len(r.graphs.beams) for r in runners)
+    assert len(made) > kept, "no graph was outgrown"
 
 
 @pytest.mark.gpu
