@@ -11,10 +11,11 @@ level's layout is known before the first, and nothing between levels needs the h
 ``Beam.run(fn, state, key)`` runs the tree builder's levels ``fn`` (its own selection ops, and
 ``expand`` once per level) over ``state``. With CUDA graphs on, every level's attention is
 planned before the run, the batch is padded to a captured size (padding requests read and
-write only the graphs' padding page, and their outputs are dropped), and ``fn`` replays as one graph
-recorded per (key, padded size, the backend's graph_key): one replay per build, where a level-by-level
-build pays a host round trip, a plan and a launch of every kernel per level (SGLang's EAGLE
-draft graph). On a CPU the same padded static path runs eagerly.
+write only the graphs' padding page, and their outputs are dropped), and ``fn`` replays as one
+graph recorded per (key, padded size, the backend's graph_key): one replay per build, where a
+level-by-level build pays a host round trip, a plan and a launch of every kernel per level
+(SGLang's EAGLE draft graph). Inputs reach the device in one copy and the tree comes back in
+one. On a CPU the same padded static path runs eagerly.
 
 Only the drafter's cache changes hands: the builder still scores and reranks, and ``commit``
 keeps the root's K/V alone, as for every EAGLE build (the branch slots go back to the pool).
