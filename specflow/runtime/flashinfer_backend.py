@@ -38,8 +38,11 @@ K/V goes to that page only. The buffers:
   little bit order) and kv_len_r <= W.
 
 A graph-mode prefill wrapper given ``custom_mask_buf`` always runs with the custom mask (its
-``run`` checks only that the buffer exists), so every plan of such a graph passes a mask, causal
-batches and padding rows included. Which wrapper a graph gets is fixed at its first plan; a
+``run`` checks only that the buffer exists), so every plan of such a graph fills the mask
+buffers, causal batches and padding rows included. The backend packs the mask itself, on the
+device, as ``plan`` would (``_write_mask``): ``plan``'s own packing waits for the GPU twice (a
+blocking copy of its indptr, then ``.item()``), as does its copy of host page indices into a
+graph's buffer, which therefore go to the device first (the spec_step bench counts what still waits). Which wrapper a graph gets is fixed at its first plan; a
 decode graph cannot serve a later batch that needs a mask, so graphs are best keyed on
 ``uses_decode_kernel`` too.
 """
@@ -115,8 +118,9 @@ def positions_are_indices(batch: ForwardBatch) -> bool:
 
 
 def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
-                device: torch.device | str = "cpu") -> Tensor:
-    """Flattened bool mask, length sum(qo_len * kv_len), request-major, row-major per request.
+                device: torch.device | str = "cpu", align: int = 1) -> Tensor:
+    """Flattened bool mask, length sum(qo_len * kv_len), request-major, row-major per request;
+    with ``align`` each request's bits start at a multiple of ``align`` (False in the gaps).
 
     Request r's new token i sees logical index j < kv_len when j <= prefix_len + i (the prefix
     and causal new tokens); a tree mask ``[q, m]`` replaces the last m columns; a sliding window
@@ -142,9 +146,12 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
     trees = rest.pop(0) if has_trees else None
     kv = p + n
     sizes = n * kv                                                                      # [B] bits per request
-    total = sum(q * (pre + q) for pre, q in zip(batch.prefix_lens, qo_lens))
-    r = torch.repeat_interleave(torch.arange(b, device=device), sizes, output_size=total)  # [S] request of each bit
-    k = torch.arange(total, device=device) - (torch.cumsum(sizes, 0) - sizes)[r]       # [S] bit within the request
+    spans = (sizes + align - 1) // align * align                                        # [B] with the gap after
+    total = sum(-(-q * (pre + q) // align) * align for pre, q in zip(batch.prefix_lens, qo_lens))
+    r = torch.repeat_interleave(torch.arange(b, device=device), spans, output_size=total)  # [S] request of each bit
+    k = torch.arange(total, device=device) - (torch.cumsum(spans, 0) - spans)[r]       # [S] bit within the request
+    gap = k >= sizes[r]                                                                 # [S] (read as bit 0, cleared)
+    k = k.masked_fill(gap, 0)
     i, j = k // kv[r], k % kv[r]                                                        # [S] query row, key column
     new = j - p[r]                                                                      # [S] key among the new tokens (< 0: prefix)
     mask = new <= i
@@ -158,7 +165,13 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
         query_pos = positions[first + i]
         key_pos = torch.where(new >= 0, positions[first + new.clamp(min=0)], j)
         mask &= (query_pos - key_pos) < sliding_window
-    return mask
+    return mask & ~gap
+
+
+def packbits(bits: Tensor) -> Tensor:
+    """[8 * n] bool -> [n] uint8, little bit order (bit t of byte i is bits[8 * i + t])."""
+    weights = torch.tensor([1 << t for t in range(8)], dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 
 class FlashinferBackend:
@@ -225,7 +238,14 @@ class FlashinferBackend:
                 graph.update(self._graph_state(batch, decode))
             self._check_graph(graph, batch, decode)
             decode = graph["decode"]
-        args = self._decode_args(batch) if decode else self._prefill_args(batch, graph is not None or needs_mask)
+        if decode:
+            args = self._decode_args(batch)
+        elif graph is None:
+            args = self._prefill_args(batch, needs_mask, custom_mask(batch, self.sliding_window, self.cache.k.device)
+                                      if needs_mask else None)
+        else:  # a graph's wrapper always reads its mask buffers: fill them here (flashinfer's packing waits for the GPU)
+            args = self._prefill_args(batch, masked=True, mask=None)
+            self._write_mask(graph["buffers"], batch)
         slot_mapping, = to_device([batch.slot_mapping], self.cache.k.device)            # [T]
         if graph is None:
             self.wrapper, self.slot_mapping = self.decode if decode else self.prefill, slot_mapping
@@ -248,20 +268,38 @@ class FlashinferBackend:
         return dict(num_kv_heads=self.cache.k.shape[2], page_size=self.cache.page_size,
                     q_data_type=dtype, kv_data_type=dtype)
 
-    def _decode_args(self, batch: ForwardBatch) -> dict:
+    def _page_table(self, batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """page_table with the indices on the device: flashinfer copies host indices into a graph's
+        buffer with a copy that waits for the GPU (the indptrs it reads on the host)."""
         indptr, indices, last_page_len = page_table(self.cache, batch)
+        return indptr, *to_device([indices], self.cache.k.device), last_page_len
+
+    def _decode_args(self, batch: ForwardBatch) -> dict:
+        indptr, indices, last_page_len = self._page_table(batch)
         window_left = -1 if self.sliding_window is None else self.sliding_window - 1
         return dict(indptr=indptr, indices=indices, last_page_len=last_page_len, head_dim=self.cache.k.shape[3],
                     window_left=window_left, **self._common_args())
 
-    def _prefill_args(self, batch: ForwardBatch, masked: bool) -> dict:
-        indptr, indices, last_page_len = page_table(self.cache, batch)
+    def _prefill_args(self, batch: ForwardBatch, masked: bool, mask: Tensor | None) -> dict:
+        """``masked``: a custom mask (``mask``, or one written into a graph's buffers) with the
+        window in it; else causal with flashinfer's window."""
+        indptr, indices, last_page_len = self._page_table(batch)
         qo_indptr = torch.from_numpy(np.cumsum([0, *batch.qo_lens], dtype=np.int32))    # [B + 1]
-        mask = custom_mask(batch, self.sliding_window, self.cache.k.device) if masked else None
         window_left = -1 if self.sliding_window is None or masked else self.sliding_window - 1
         return dict(qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=indices,
                     paged_kv_last_page_len=last_page_len, head_dim_qk=self.cache.k.shape[3],
                     custom_mask=mask, causal=not masked, window_left=window_left, **self._common_args())
+
+    def _write_mask(self, buffers: dict, batch: ForwardBatch) -> None:
+        """The batch's custom mask packed into a graph's ``custom_mask_buf`` as flashinfer's
+        plan would (segment_packbits: each request from a byte boundary, little bit order) and
+        the byte offsets into ``mask_indptr_buf``, with no wait for the GPU."""
+        device = self.cache.k.device
+        packed = packbits(custom_mask(batch, self.sliding_window, device, align=8))       # [sum of bytes]
+        nbytes = [-(-q * (p + q) // 8) for p, q in zip(batch.prefix_lens, batch.qo_lens)]
+        indptr, = to_device([torch.from_numpy(np.cumsum([0, *nbytes], dtype=np.int32))], device)  # [B + 1]
+        buffers["custom_mask_buf"][: len(packed)].copy_(packed)
+        buffers["mask_indptr_buf"].copy_(indptr)
 
     def _graph_state(self, batch: ForwardBatch, decode: bool) -> dict:
         """A graph's own wrapper over fixed buffers sized for its padded shape (module docstring),

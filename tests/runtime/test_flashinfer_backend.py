@@ -9,8 +9,10 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +24,7 @@ from specflow.runtime import attention
 from specflow.runtime.attention import ForwardBatch, TorchBackend
 from specflow.runtime.beam import Beam
 from specflow.runtime.cuda_graph import PAD_REQUEST, GraphRunner
-from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask, flashinfer_available,
+from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask, flashinfer_available, packbits,
                                                  flashinfer_supports, page_table, positions_are_indices)
 from specflow.runtime.kv_cache import PagedKVCache
 from specflow.runtime.model_runner import ModelRunner
@@ -62,11 +64,16 @@ def test_custom_mask_is_the_torch_backends_mask(page_size, seed, window, prefix_
     oracle.plan(batch, graph={})  # a graph plan always keeps the mask tensor
     visible = oracle.mask[:, 0] == 0                                                   # [B, max_q, max_kv]
     flat, start = custom_mask(batch, window), 0
+    aligned, packed, at = custom_mask(batch, window, align=8), [], 0  # what a graph's mask buffer gets
     for r, (p, n) in enumerate(zip(prefix_lens, sizes)):
         kv = p + n
         assert torch.equal(flat[start:start + n * kv].view(n, kv), visible[r, :n, :kv])
-        start += n * kv
-    assert start == len(flat)
+        span = -(-n * kv // 8) * 8
+        assert torch.equal(aligned[at:at + span], F.pad(flat[start:start + n * kv], (0, span - n * kv)))
+        packed.append(np.packbits(flat[start:start + n * kv].numpy(), bitorder="little"))  # segment_packbits
+        start, at = start + n * kv, at + span
+    assert start == len(flat) and at == len(aligned)
+    assert np.array_equal(packbits(aligned).numpy(), np.concatenate(packed))
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
