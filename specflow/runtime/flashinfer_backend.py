@@ -41,10 +41,10 @@ A graph-mode prefill wrapper given ``custom_mask_buf`` always runs with the cust
 ``run`` checks only that the buffer exists), so every plan of such a graph fills the mask
 buffers, causal batches and padding rows included. The backend packs the mask itself, on the
 device, as ``plan`` would (``_write_mask``): ``plan``'s own packing waits for the GPU twice (a
-blocking copy of its indptr, then ``.item()``), as does its copy of host page indices into a
-graph's buffer, which therefore go to the device first (the spec_step bench counts what still waits). Which wrapper a graph gets is fixed at its first plan; a
-decode graph cannot serve a later batch that needs a mask, so graphs are best keyed on
-``uses_decode_kernel`` too.
+blocking copy of its indptr, then ``.item()``), and so does its copy of host page indices into
+a graph's buffer (once), so the indices go to the device first; the spec_step bench counts what
+still waits. Which wrapper a graph gets is fixed at its first plan; a decode graph cannot serve
+a later batch that needs a mask, so graphs are best keyed on ``uses_decode_kernel`` too.
 """
 
 from __future__ import annotations
