@@ -50,6 +50,7 @@ a later batch that needs a mask, so graphs are best keyed on ``uses_decode_kerne
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
@@ -170,8 +171,8 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
 
 def packbits(bits: Tensor) -> Tensor:
     """[8 * n] bool -> [n] uint8, little bit order (bit t of byte i is bits[8 * i + t])."""
-    weights = torch.tensor([1 << t for t in range(8)], dtype=torch.uint8, device=bits.device)
-    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)  # (made on the device: no copy)
+    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
 
 
 class FlashinferBackend:
@@ -207,6 +208,7 @@ class FlashinferBackend:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.wrapper = None
         self.plan_args: dict | None = None
+        self.planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapper -> its last plan's event
 
     def graph_key(self, batch: ForwardBatch) -> Hashable:
         return self.uses_decode_kernel(batch)  # a decode graph never replays a masked batch
@@ -257,8 +259,22 @@ class FlashinferBackend:
         if self.num_qo_heads is None:  # planned at the first layer's forward
             self.plan_args = args
         else:
-            self.wrapper.plan(num_qo_heads=self.num_qo_heads, **args)
+            self._plan_wrapper(self.num_qo_heads, args)
             self.plan_args = None
+
+    def _plan_wrapper(self, num_qo_heads: int, args: dict) -> None:
+        """``self.wrapper.plan``, once the GPU has taken that wrapper's previous plan: flashinfer
+        writes a plan into the wrapper's pinned host buffer and queues its copy to the device
+        without waiting, so planning again before that copy ran would change what the previous
+        forward reads. (Host waits in every step make this wait instant; it guards a pipeline
+        that has none.)"""
+        done = self.planned.get(self.wrapper)
+        if done is not None:
+            done.synchronize()
+        self.wrapper.plan(num_qo_heads=num_qo_heads, **args)
+        if self.cache.k.is_cuda:
+            self.planned[self.wrapper] = torch.cuda.Event()
+            self.planned[self.wrapper].record()
 
     def use(self, graph: dict) -> None:
         self.wrapper, self.slot_mapping, self.plan_args = graph["wrapper"], graph["slot_mapping"], None
@@ -345,7 +361,7 @@ class FlashinferBackend:
         k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
         if self.plan_args is not None:  # first layer of this batch, planned lazily
-            self.wrapper.plan(num_qo_heads=q.shape[1], **self.plan_args)
+            self._plan_wrapper(q.shape[1], self.plan_args)
             self.plan_args = None
         pages = (-1, self.cache.page_size, *k_pool.shape[1:])                          # [pages, page_size, Hkv, D]
         out = self.wrapper.run(q.to(k_pool.dtype).contiguous(), (k_pool.view(pages), v_pool.view(pages)))

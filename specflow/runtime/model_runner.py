@@ -110,8 +110,9 @@ class ModelRunner:
             positions = [range(p, p + q) for p, q in zip(prefix_lens, qo_lens)]
         positions = token_flat(positions)                                              # [T]
         inputs = inputs or {}
-        input_ids, device_positions, *values = to_device([token_flat(token_ids), positions, *inputs.values()],
-                                                         self.device)                 # one copy
+        eager = [positions] if graph_n is None else []  # (the graph runner lays out its own)
+        input_ids, *values = to_device([token_flat(token_ids), *inputs.values(), *eager], self.device)  # one copy
+        device_positions = values.pop() if eager else None
         extra = dict(zip(inputs, values))
         assert all(len(t) == len(input_ids) for t in extra.values()), "inputs must be token-flat [T, ...]"
         if graph_n is not None:  # the graph runner lays out the padded batch

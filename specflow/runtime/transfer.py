@@ -21,7 +21,7 @@ from torch import Tensor
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
     """The bytes of ``tensors`` (one device) as one uint8 tensor [sum of nbytes], in the order
     ``unpack`` reads them (largest element first)."""
-    parts = [t.reshape(-1).view(torch.uint8) for t in sorted(tensors, key=lambda t: -t.element_size())]
+    parts = [t.contiguous().view(-1).view(torch.uint8) for t in sorted(tensors, key=lambda t: -t.element_size())]
     return torch.cat(parts, out=out)
 
 
@@ -41,6 +41,8 @@ def to_device(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
     copy that does not wait for the GPU: packed into a pinned buffer, which the caching host
     allocator keeps until the copy has run."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: tensors say cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     moving = [t for t in tensors if t.device != device]
     if device.type != "cuda" or not moving:
         return [t.to(device) for t in tensors]

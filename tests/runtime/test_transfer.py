@@ -35,6 +35,15 @@ def test_unpack_inverts_pack(specs, seed):
         assert y.numel() == 0 or y.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views
 
 
+def test_pack_takes_strided_tensors():
+    """Column views (SamplingBatch's per-request floats) and transposes pack by value."""
+    floats = torch.rand(4, 3)
+    xs = [floats[:, 1], floats.t(), torch.arange(12).view(3, 4)[:, ::2]]
+    assert not any(x.is_contiguous() for x in xs)
+    for x, y in zip(xs, unpack(pack(xs), xs)):
+        assert y.shape == x.shape and torch.equal(x, y)
+
+
 def test_to_host_copies_host_tensors():
     xs = [torch.arange(6).view(2, 3), torch.ones(3, dtype=torch.bool)]
     ys = to_host(xs)
@@ -48,7 +57,7 @@ def test_to_host_copies_host_tensors():
 def test_to_device_does_not_wait_for_the_gpu():
     """Host tensors reach the device with one copy that never synchronizes (sync debug mode
     raises on any), device ones pass through; to_host brings them all back in one copy."""
-    xs = [make(dtype, (3, 5), i) for i, dtype in enumerate(DTYPES)]
+    xs = [make(dtype, (3, 5), i) for i, dtype in enumerate(DTYPES)] + [torch.rand(4, 3)[:, 1]]  # a strided one too
     on_gpu = torch.arange(7, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
