@@ -25,9 +25,9 @@ runner pads every batch of one graph to B requests of N tokens each; its buffers
 the first plan for a KV index W wide, so a request's KV length is at most W and its page count
 at most ceil(W / page_size). Nothing captured depends on W (a graph-mode wrapper launches a grid
 fixed by B), so one graph serves every narrower batch (``graph_fits``), and the graph runner
-captures a wider one in its place when a batch outgrows it. A dummy request (padding) is an ordinary row here: its page-table entries
-are its own reserved page, its mask row is causal over its own N tokens (never empty), and its
-K/V goes to that page only. The buffers:
+captures a wider one in its place when a batch outgrows it. A dummy request (padding) is an
+ordinary row here: its page-table entries are its own reserved page, its mask row is causal
+over its own N tokens (never empty), and its K/V goes to that page only. The buffers:
 
 - decode (``uses_decode_kernel``): ``paged_kv_indptr_buffer`` [B + 1], ``paged_kv_indices_buffer``
   [B * ceil(W / page_size)], ``paged_kv_last_page_len_buffer`` [B] (int32);
