@@ -56,7 +56,7 @@ class TypicalVerifier:
         p_draft = p.reshape(b, n * v).gather(1, parents * v + tree.tokens)          # [B, N]
         typical = p_draft > floor.gather(1, parents)
         is_argmax = tree.tokens == logits.argmax(-1).gather(1, parents)
-        passes = torch.where(greedy.view(b, 1), is_argmax, typical).cpu().tolist()             # [B, N]
+        passes = torch.where(greedy.view(b, 1), is_argmax, typical).cpu().tolist()  # [B, N]
 
         host = HostTree.of(tree)
         paths, residuals = [], []

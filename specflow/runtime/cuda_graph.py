@@ -5,10 +5,10 @@ to captured batch sizes.
 A graph is keyed by ``(batch size, tokens per request, taps, extra inputs, the backend's
 graph_key)`` (the KV width, for a backend whose tensors have it: TorchBackend's); a batch the
 graph's buffers do not fit (``graph_fits``) gets a new graph in its place. Each call pads the
-batch with dummy requests up to the captured batch size and the KV width up to a bucket, plans the attention for the padded batch into the graph's
-own buffers (the backend's ``plan(batch, graph=state)``), copies the inputs into the graph's
-static buffers, then replays. Padding is rebuilt on every call, so nothing it computes reaches a
-real token:
+batch with dummy requests up to the captured batch size and the KV width up to a bucket, plans
+the attention for the padded batch into the graph's own buffers (the backend's ``plan(batch,
+graph=state)``), copies the inputs into the graph's static buffers, then replays. Padding is
+rebuilt on every call, so nothing it computes reaches a real token:
 
 - dummy requests (token 0, positions 0..N-1, a causal mask over their own tokens) read and write only
   the reserved padding page, which real rows never see;

@@ -240,15 +240,19 @@ class FlashinferBackend:
                 graph.update(self._graph_state(batch, decode))
             self._check_graph(graph, batch, decode)
             decode = graph["decode"]
+        indptr, indices, last_page_len = page_table(self.cache, batch)
+        # the page indices go to the device first: flashinfer copies host ones into a graph's
+        # buffer with a copy that waits for the GPU (the indptrs it reads on the host)
+        indices, slot_mapping = to_device([indices, batch.slot_mapping], self.cache.k.device)  # one copy
+        table = dict(indptr=indptr, indices=indices, last_page_len=last_page_len)
         if decode:
-            args = self._decode_args(batch)
+            args = self._decode_args(**table)
         elif graph is None:
             args = self._prefill_args(batch, needs_mask, custom_mask(batch, self.sliding_window, self.cache.k.device)
-                                      if needs_mask else None)
+                                      if needs_mask else None, **table)
         else:  # a graph's wrapper always reads its mask buffers: fill them here (flashinfer's packing waits for the GPU)
-            args = self._prefill_args(batch, masked=True, mask=None)
+            args = self._prefill_args(batch, masked=True, mask=None, **table)
             self._write_mask(graph["buffers"], batch)
-        slot_mapping, = to_device([batch.slot_mapping], self.cache.k.device)            # [T]
         if graph is None:
             self.wrapper, self.slot_mapping = self.decode if decode else self.prefill, slot_mapping
         else:  # the replay reads the graph's tensors: write into them, never rebind
@@ -284,22 +288,15 @@ class FlashinferBackend:
         return dict(num_kv_heads=self.cache.k.shape[2], page_size=self.cache.page_size,
                     q_data_type=dtype, kv_data_type=dtype)
 
-    def _page_table(self, batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """page_table with the indices on the device: flashinfer copies host indices into a graph's
-        buffer with a copy that waits for the GPU (the indptrs it reads on the host)."""
-        indptr, indices, last_page_len = page_table(self.cache, batch)
-        return indptr, *to_device([indices], self.cache.k.device), last_page_len
-
-    def _decode_args(self, batch: ForwardBatch) -> dict:
-        indptr, indices, last_page_len = self._page_table(batch)
+    def _decode_args(self, indptr: Tensor, indices: Tensor, last_page_len: Tensor) -> dict:
         window_left = -1 if self.sliding_window is None else self.sliding_window - 1
         return dict(indptr=indptr, indices=indices, last_page_len=last_page_len, head_dim=self.cache.k.shape[3],
                     window_left=window_left, **self._common_args())
 
-    def _prefill_args(self, batch: ForwardBatch, masked: bool, mask: Tensor | None) -> dict:
+    def _prefill_args(self, batch: ForwardBatch, masked: bool, mask: Tensor | None, indptr: Tensor,
+                      indices: Tensor, last_page_len: Tensor) -> dict:
         """``masked``: a custom mask (``mask``, or one written into a graph's buffers) with the
         window in it; else causal with flashinfer's window."""
-        indptr, indices, last_page_len = self._page_table(batch)
         qo_indptr = torch.from_numpy(np.cumsum([0, *batch.qo_lens], dtype=np.int32))    # [B + 1]
         window_left = -1 if self.sliding_window is None or masked else self.sliding_window - 1
         return dict(qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=indices,
