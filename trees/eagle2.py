@@ -72,7 +72,8 @@ class Eagle2Builder:
         def build_rest(*state: Tensor) -> tuple[Tensor, ...]:  # the levels, then the rerank
             tree = grow.over(state[:-2], grow.size)
             self._levels(tree, *picks(*state[-2:]), lambda frontier, best: picks(*beam.expand(best)))
-            return tuple(getattr(rerank(tree, self.num_draft_tokens, self.depth), name) for name in TREE_FIELDS)
+            kept = rerank(tree, self.num_draft_tokens, self.depth)
+            return tuple(getattr(kept, name) for name in TREE_FIELDS)
 
         key = ("eagle2", k, self.depth, self.num_draft_tokens)
         return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, (*grow.tensors(), tokens, logprobs), key))))
