@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from specflow.models import CheckpointError, load_model
 from specflow.protocols import TargetFeatures, TargetNeeds
@@ -56,10 +55,11 @@ class DraftModelDrafter:
     def expand(self, frontier: Frontier) -> Expansion:
         return self.runner.expand(frontier, self.runner.runner.model.compute_logits, self.vocab_size)
 
-    def beam(self, roots: Roots, children: Tensor, k: int, levels: int) -> Beam | None:
-        """EAGLE-2's levels after the root over branch K/V paths (specflow.runtime.beam); None
-        where this model's cache cannot (the builder then expands level by level)."""
-        return self.runner.beam(roots, children, k, levels, self.runner.runner.model.compute_logits)
+    def beam(self, roots: Roots, k: int, levels: int) -> Beam | None:
+        """An EAGLE-2 build over branch K/V paths: the roots expanded, then ``levels`` more
+        (specflow.runtime.beam); None where this model's cache cannot (the builder then expands
+        level by level)."""
+        return self.runner.beam(roots, k, levels, self.runner.runner.model.compute_logits, self.vocab_size)
 
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
         for rid, tokens in zip(features.request_ids, features.tokens):

@@ -99,10 +99,11 @@ class EagleDrafter:
     def expand(self, frontier: Frontier) -> Expansion:
         return self.runner.expand(frontier, self.head.compute_logits, self.vocab_size, self.head.draft_to_target)
 
-    def beam(self, roots: Roots, children: Tensor, k: int, levels: int) -> Beam | None:
-        """EAGLE-2's levels after the root over branch K/V paths (specflow.runtime.beam); None
-        where this head's cache cannot (the builder then expands level by level)."""
-        return self.runner.beam(roots, children, k, levels, self.head.compute_logits, self.head.draft_to_target)
+    def beam(self, roots: Roots, k: int, levels: int) -> Beam | None:
+        """An EAGLE-2 build over branch K/V paths: the roots expanded, then ``levels`` more
+        (specflow.runtime.beam); None where this head's cache cannot (the builder then expands
+        level by level)."""
+        return self.runner.beam(roots, k, levels, self.head.compute_logits, self.vocab_size, self.head.draft_to_target)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:

@@ -50,13 +50,14 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class BeamDrafter(Drafter, Protocol):
-    """A drafter that runs the levels of an EAGLE-2 beam after the root itself (EAGLE heads, see
-    specflow.runtime.beam): ``beam(roots, children [B, 1, k], k, levels)`` right after the
-    roots' expansion, a ``Beam`` whose ``run(fn, state, key)`` runs the builder's levels ``fn``,
-    which call its ``expand(choice [B, k])`` to feed each next level; None where it cannot for
-    this batch."""
+    """A drafter that runs an EAGLE-2 beam itself (EAGLE heads, draft models; see
+    specflow.runtime.beam): ``beam(roots, k, levels)`` expands the roots, keeping their children
+    on its device (``children``, ``children_logprobs`` [B, 1, k]), and returns a ``Beam`` whose
+    ``run(fn, state, key)`` runs the builder's levels ``fn``, which call its ``expand(choice
+    [B, k])`` to feed each of the ``levels`` after the root; None, with nothing expanded, where
+    it cannot for this batch."""
 
-    def beam(self, roots: Roots, children: Tensor, k: int, levels: int): ...
+    def beam(self, roots: Roots, k: int, levels: int): ...
 
 
 @runtime_checkable

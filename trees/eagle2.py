@@ -60,12 +60,12 @@ class Eagle2Builder:
     def build(self, drafter: Drafter, roots: Roots) -> DraftTree:
         b, k = roots.batch_size, self.topk
         grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
-        root = torch.zeros(b, 1, dtype=torch.long, device=roots.tokens.device)
-        tokens, logprobs, sampled = grow.expand(drafter, root, k)   # [B, 1, k] the root's children
-        # EAGLE heads run the levels after the root themselves: on their device, one CUDA graph
-        beam = drafter.beam(roots, tokens, k, self.depth - 1) \
-            if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
+        # EAGLE heads run the build themselves: the roots, then the levels on their device as
+        # one CUDA graph, with no value read back before the tree
+        beam = drafter.beam(roots, k, self.depth - 1) if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
         if beam is None:
+            root = torch.zeros(b, 1, dtype=torch.long, device=roots.tokens.device)
+            tokens, logprobs, sampled = grow.expand(drafter, root, k)   # [B, 1, k] the root's children
             self._levels(grow, tokens, logprobs, sampled, lambda frontier, best: grow.expand(drafter, frontier, k))
             return rerank(grow, self.num_draft_tokens, self.depth)
 
@@ -76,7 +76,8 @@ class Eagle2Builder:
             return tuple(getattr(kept, name) for name in TREE_FIELDS)
 
         key = ("eagle2", k, self.depth, self.num_draft_tokens)
-        return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, (*grow.tensors(), tokens, logprobs), key))))
+        state = (*grow.tensors(), beam.children, beam.children_logprobs)  # (the tree's on the host, moved by run)
+        return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, state, key))))
 
     def _levels(self, grow: GrowingTree, tokens: Tensor, logprobs: Tensor, sampled: Tensor,
                 expand: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]) -> None:

@@ -70,12 +70,13 @@ class Beam:
     cache ends with each request's root: a draft model, or an EAGLE-style model (``forward(...,
     features=)``), where a node reads its parent's output ``root_hidden`` [B, H] at the roots.
 
-    ``children`` [B, 1, k] are the root's children (target ids). Reserves ``levels * k`` slots
-    per request past its cache, all or nothing (OutOfPages).
+    ``children`` [B, 1, k] are the root's children (target ids) and ``children_logprobs``
+    [B, 1, k] their log-probs, on the drafter's device: the builder's first level. Reserves
+    ``levels * k`` slots per request past its cache, all or nothing (OutOfPages).
     """
 
     def __init__(self, runner: ModelRunner, request_ids: list[int], root_hidden: Tensor | None, children: Tensor,
-                 k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
+                 children_logprobs: Tensor, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
                  to_target: Callable[[Tensor], Tensor]):
         cache = runner.cache
         assert cache.page_size == 1, "a branch slot is a page of its own"
@@ -95,7 +96,8 @@ class Beam:
         self.rows = b                                                                      # requests, padding included
         self.branch = torch.from_numpy(self.branch_np)                                     # [B, L, k]
         self.positions = torch.from_numpy(np.repeat(self.kv0 - 1, k))                      # [B * k]
-        self.children, self.root_hidden = children, root_hidden                            # [B, 1, k], [B, H]
+        self.children, self.children_logprobs = children, children_logprobs                # [B, 1, k] each
+        self.root_hidden = root_hidden                                                     # [B, H]
         self.planned: list[dict] | None = None  # per level, when planned before the run
         self.tokens, self.hidden, self.level = children, root_hidden, 0
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from specflow.runtime.beam import Beam, top_children
 from specflow.runtime.model_runner import ModelRunner
 from specflow.runtime.transfer import to_device
-from specflow.tree import Expansion, Frontier, Roots
+from specflow.tree import DraftTree, Expansion, Frontier, Roots
 
 
 class Scratch:
@@ -281,7 +281,8 @@ class TreeDraftRunner:
     @torch.inference_mode()
     def expand(self, frontier: Frontier, compute_logits: Callable[[Tensor], Tensor], vocab_size: int,
                to_target: Callable[[Tensor], Tensor] | None = None) -> Expansion:
-        """Feed the frontier and answer the top-k of ``compute_logits(hidden)`` per node.
+        """Feed the frontier and answer the top-k of ``compute_logits(hidden)`` per node, on the
+        host (the frontier's device).
 
         ``to_target`` maps the model's token ids to target ids (a smaller draft vocabulary);
         the full q (when asked) is over the target vocabulary, zero outside the draft one.
@@ -290,43 +291,59 @@ class TreeDraftRunner:
         tokens = torch.zeros(b, f, k, dtype=torch.long)
         lps = torch.full((b, f, k), float("-inf"))
         probs = torch.zeros(b, f, vocab_size) if frontier.want_probs else None
-        batch = self.plan(frontier)
-        if not batch.request_ids:
-            return Expansion(tokens, lps, probs)
-        inputs = {"features": self._features(batch.features)} if self.features else None
-        out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
-                                 tree_masks=batch.tree_masks, logits="none", inputs=inputs)
-        bi, fi, rows = (torch.from_numpy(x) for x in batch.rows())
-        hidden = out.hidden.index_select(0, *to_device([rows], out.hidden.device))      # [R, H]
-        if self.features:
-            self._keep_outputs(batch, hidden)
-        logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
         to_target = to_target or (lambda ids: ids)
-        top = top_children(logprobs, k, to_target, vocab_size).cpu()                 # [R, 2k]: one copy
+        fed = self._feed(frontier, compute_logits, vocab_size, to_target)
+        if fed is None:
+            return Expansion(tokens, lps, probs)
+        bi, fi, logprobs, top = fed
+        bi, fi, top = torch.from_numpy(bi), torch.from_numpy(fi), top.cpu()             # [R, 2k]: one copy
         lps[bi, fi], tokens[bi, fi] = top[:, :k], top[:, k:].long()
         if probs is not None:
             ids = to_target(torch.arange(logprobs.shape[-1], device=logprobs.device))
-            q = logprobs.new_zeros(len(rows), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
+            q = logprobs.new_zeros(len(logprobs), vocab_size).index_copy_(1, ids, logprobs.exp())  # [R, V]
             probs[bi, fi] = q.cpu()
         return Expansion(tokens, lps, probs)
 
-    def beam(self, roots: Roots, children: Tensor, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
-             to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:
-        """The rest of an EAGLE-2 build as a Beam (specflow.runtime.beam), right after each
-        request of ``roots`` fed its root alone and got its ``children`` [B, 1, k]; None where a
-        Beam cannot run it (pages of several slots, a sliding window): the builder then expands
-        level by level. Only the roots' K/V outlive the build (``commit``)."""
+    def _feed(self, frontier: Frontier, compute_logits: Callable[[Tensor], Tensor], vocab_size: int,
+              to_target: Callable[[Tensor], Tensor]) -> tuple[np.ndarray, np.ndarray, Tensor, Tensor] | None:
+        """Feed the frontier (one forward): the fed nodes' (b, f) [R] on the host, and on the
+        model's device their log-probs [R, V_draft] and ``top_children`` [R, 2k]; None when no
+        request feeds a node. Nothing waits for the device."""
+        batch = self.plan(frontier)
+        if not batch.request_ids:
+            return None
+        inputs = {"features": self._features(batch.features)} if self.features else None
+        out = self.runner.extend(batch.request_ids, batch.tokens, positions=batch.positions,
+                                 tree_masks=batch.tree_masks, logits="none", inputs=inputs)
+        bi, fi, rows = batch.rows()
+        hidden = out.hidden.index_select(0, *to_device([torch.from_numpy(rows)], out.hidden.device))  # [R, H]
+        if self.features:
+            self._keep_outputs(batch, hidden)
+        logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
+        return bi, fi, logprobs, top_children(logprobs, frontier.k, to_target, vocab_size)
+
+    def beam(self, roots: Roots, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
+             vocab_size: int, to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:
+        """An EAGLE-2 build as a Beam (specflow.runtime.beam): every request of ``roots`` feeds
+        its pending tokens and its root, and the roots' top-k children stay on the device
+        (``Beam.children``, ``Beam.children_logprobs``), so the host plans the beam's levels
+        while the device runs the roots. None, with nothing fed, where a Beam cannot run the
+        levels (pages of several slots, a sliding window): the builder then expands level by
+        level. Only the roots' K/V outlive the build (``commit``)."""
         if self.runner.cache.page_size != 1 or self.runner.model.config.sliding_window:
             return None
-        slots = np.array([self.states[r].slot for r in roots.request_ids], dtype=np.int64)
-        assert (self.scratch.size[slots] == 1).all(), "a beam starts right after its roots were fed"
+        b = roots.batch_size
+        to_target = to_target or (lambda ids: ids)
+        frontier = Frontier(roots, DraftTree.root_only(roots), torch.zeros(b, 1, dtype=torch.long), k, False)
+        bi, _, _, top = self._feed(frontier, compute_logits, vocab_size, to_target)     # [B, 2k]
+        assert np.array_equal(bi, np.arange(b)), "every root is fed, in batch order"
         root_hidden = None
         if self.features:  # level 1 reads the roots' outputs
-            assert (self.scratch.epoch[slots] == self.epoch).all(), "the outputs of these trees are gone"
+            slots = np.array([self.states[r].slot for r in roots.request_ids], dtype=np.int64)
             rows, = to_device([torch.from_numpy(self.scratch.out_row[slots, 0])], self.outputs.device)
             root_hidden = self.outputs.index_select(0, rows)
-        return Beam(self.runner, list(roots.request_ids), root_hidden, children, k, levels,
-                    compute_logits, to_target or (lambda ids: ids))
+        return Beam(self.runner, list(roots.request_ids), root_hidden, top[:, k:].long().view(b, 1, k),
+                    top[:, :k].view(b, 1, k), k, levels, compute_logits, to_target)
 
     def _features(self, pieces: list) -> Tensor:
         """Token-flat features [T, F] from a batch's pieces: [n, F] chunks, or arrays of rows of
