@@ -16,6 +16,7 @@ from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
+from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
@@ -212,6 +213,10 @@ class SpecEngine:
                 tree = self._draft(batch, roots)
             except OutOfPages:  # the drafter's own pool is full: verify the roots only this step
                 tree = DraftTree.root_only(roots)
+            if tree.num_nodes > 1:  # the target and the verifier read it on the device (a beam's is there)
+                tree = tree.to(self.device)
+            if self.record_steps and self.device.type == "cuda":  # the timings split the device's work too
+                torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             try:
                 out = self._target_forward(batch, tree)
@@ -219,9 +224,12 @@ class SpecEngine:
                 finished += self._preempt()
                 continue
             verdict = self._verify(tree, out, batch)
+            # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
+            # and the greedy verifier, the step's one wait for the device
+            *verdict, tokens = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens, tree.tokens])
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
-            finished += self._commit(batch, tree, verdict, out, timings)
+            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings)
             break
         return finished
 
@@ -250,20 +258,23 @@ class SpecEngine:
             rows, self.tree_builder.build(self.drafter, roots.select(rows)))
 
     def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
-        """One batched target pass over every tree: up to each request's last valid node, or every
-        node when CUDA graphs want one fixed shape (padding nodes' outputs are never read)."""
-        if self.runner.graphs is not None:
-            n_send = [tree.num_nodes] * tree.batch_size
-        else:
-            n_send = (tree.valid.long() * torch.arange(1, tree.num_nodes + 1)).amax(1).tolist()
+        """One batched target pass over every tree: every node when CUDA graphs want one fixed
+        shape, read where the tree lies (padding nodes' outputs are never read); eagerly, each
+        request up to its last valid node."""
         needs = self.drafter.needs if self.drafter else None
-        tokens, positions = tree.tokens.tolist(), tree.positions.tolist()
+        ids, n = [r.id for r in batch], tree.num_nodes
+        taps = needs.layer_taps if needs else ()
+        if self.runner.graphs is not None or n == 1:  # no value of the tree comes back to the host
+            masks = list(tree.mask) if n > 1 else None  # (1 node: causal)
+            return self.runner.extend(ids, tree.tokens, positions=tree.positions, tree_masks=masks, taps=taps)
+        n_send = tree.valid.long() * torch.arange(1, n + 1, device=tree.valid.device)  # [B, N]
+        tokens, positions, n_send = to_host([tree.tokens, tree.positions, n_send.amax(1)])
+        n_send = n_send.tolist()
         return self.runner.extend(
-            [r.id for r in batch],
-            [t[:n] for t, n in zip(tokens, n_send)],
-            positions=[p[:n] for p, n in zip(positions, n_send)],
+            ids, [t[:n] for t, n in zip(tokens.tolist(), n_send)],
+            positions=[p[:n] for p, n in zip(positions.tolist(), n_send)],
             tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
-            taps=needs.layer_taps if needs else ())
+            taps=taps)
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
         if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)
@@ -287,13 +298,12 @@ class SpecEngine:
     def _sampling(self, batch: list[Request]) -> SamplingBatch:
         return SamplingBatch.from_params([r.params for r in batch], [r.generator for r in batch])
 
-    def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict,
+    def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
-        """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter."""
+        """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
+        ``verdict`` is on the host and ``tokens`` are the tree's."""
         finished, live = [], []
-        # one device->host copy of the small tensors, then plain Python per request
-        paths, lengths = verdict.accepted.tolist(), verdict.accept_len.tolist()
-        bonus, tokens = verdict.bonus_tokens.tolist(), tree.tokens.tolist()
+        paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
@@ -329,7 +339,7 @@ class SpecEngine:
             start = req.seq_len - n
             tokens.append(torch.tensor(req.seq[start:-1]))
             positions.append(torch.arange(start, req.seq_len - 1))
-        flat = torch.tensor([i for rw in rows for i in rw], dtype=torch.long, device=out.hidden.device)  # one gather each
+        flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)], out.hidden.device)  # one gather each
         lens = [len(rw) for rw in rows]
         return TargetFeatures(
             request_ids=[r.id for r in reqs], tokens=tokens, positions=positions,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specflow.runtime.transfer import to_device
+
 
 @dataclass(slots=True)
 class Roots:
@@ -81,6 +83,7 @@ class DraftTree:
     sampled: Tensor       # [B, N] bool: token drawn from q of its parent (else a top-k pick)
     mask: Tensor | None = None         # [B, N, N] bool ancestor-or-self
     draft_probs: Tensor | None = None  # [B, N, V] q over the children of each node (sampled drafts)
+    max_depth: int | None = None       # a bound on every node's depth known on the host (None: read ``depth``)
 
     @property
     def batch_size(self) -> int:
@@ -104,7 +107,18 @@ class DraftTree:
             valid=torch.ones((b, 1), dtype=torch.bool, device=roots.tokens.device),
             sampled=torch.zeros((b, 1), dtype=torch.bool, device=roots.tokens.device),
             mask=torch.ones((b, 1, 1), dtype=torch.bool, device=roots.tokens.device),
+            max_depth=0,
         )
+
+    def to(self, device: torch.device) -> "DraftTree":
+        """This tree on ``device``, its host tensors moved in one copy (specflow.runtime.transfer);
+        a host tree's ``max_depth`` is filled in on the way."""
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        moved = to_device([getattr(self, name) for name in names], device)
+        max_depth = self.max_depth
+        if max_depth is None and self.depth.device.type == "cpu":
+            max_depth = int(self.depth.max()) if self.depth.numel() else 0
+        return dataclasses.replace(self, **dict(zip(names, moved)), max_depth=max_depth)
 
     def pad_to(self, n: int) -> "DraftTree":
         """Append padding nodes (invalid, token 0, under the root) up to n nodes."""
@@ -121,9 +135,10 @@ class DraftTree:
         if probs is not None:
             probs = torch.cat([probs, probs.new_zeros(b, extra, probs.shape[-1])], 1)
         depth = grow(self.depth, 1)
+        bound = None if self.max_depth is None else max(self.max_depth, 1)
         return DraftTree(grow(self.tokens, 0), grow(self.parents, 0), depth, self.positions[:, :1] + depth,
                          grow(self.scores, 0.0), grow(self.valid, False), grow(self.sampled, False),
-                         None, probs).with_mask()
+                         None, probs).with_mask(bound)
 
     def place(self, rows: list[int], sub: "DraftTree") -> "DraftTree":
         """A copy of this tree with rows ``rows`` replaced by the rows of ``sub`` (same N)."""
@@ -131,17 +146,21 @@ class DraftTree:
         out = dataclasses.replace(self)
         for name in ("tokens", "parents", "depth", "positions", "scores", "valid", "sampled", "mask"):
             full = getattr(self, name).clone()
-            full[rows] = getattr(sub, name).to(full.dtype)
+            full[rows] = getattr(sub, name).to(full.device, full.dtype)
             setattr(out, name, full)
         if sub.draft_probs is not None:
             full = sub.draft_probs.new_zeros(self.batch_size, *sub.draft_probs.shape[1:])
             full[rows] = sub.draft_probs
-            out.draft_probs = full
+            out.draft_probs = full.to(self.tokens.device)
+        out.max_depth = None if None in (self.max_depth, sub.max_depth) else max(self.max_depth, sub.max_depth)
         return out
 
     def with_mask(self, depth: int | None = None) -> "DraftTree":
-        """Fill ``mask`` from ``parents`` (ancestor-or-self, see ``ancestor_mask``)."""
+        """Fill ``mask`` from ``parents`` (ancestor-or-self, see ``ancestor_mask``); ``depth``, a
+        bound on every node's depth, becomes ``max_depth``."""
         self.mask = ancestor_mask(self.parents, depth)
+        if depth is not None:
+            self.max_depth = depth
         return self
 
     def first_child_next_sibling(self) -> tuple[Tensor, Tensor]:
@@ -185,6 +204,8 @@ class DraftTree:
             parent_depth = self.depth.gather(1, self.parents[:, 1:].clamp(min=0))
             assert (self.depth[:, 1:] == parent_depth + 1).all(), "depth = parent depth + 1"
         assert (self.positions == self.positions[:, :1] + self.depth).all()
+        if self.max_depth is not None:
+            assert int(self.depth.max()) <= self.max_depth, "max_depth bounds every node's depth"
         if self.mask is not None:
             assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu())
 

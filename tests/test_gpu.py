@@ -99,3 +99,33 @@ def test_medusa_static_tree_is_lossless(setting):
                         {"type": "static", "preset": "medusa_63"}, {"type": "greedy"},
                         device="cuda", dtype=dtype, backend=backend)
     assert_lossless(engine.generate(PROMPTS[:2], params), plain, engine.model, backend)
+
+
+@pytest.mark.parametrize("verifier", ["rejection", "typical", "threshold"])
+@pytest.mark.parametrize("drafter, tree", [("eagle", "eagle2"), ("ngram", "chain")])
+def test_sampled_verifiers_run_on_the_gpu(plain, drafter, tree, verifier):
+    """The sampled verifiers' walks over trees built on the device (a beam's) and on the host
+    (moved by the engine) next to the target's logits. With top_k 1 every sampled request is
+    greedy in disguise, so a lossless verifier's output is plain greedy decoding's (typical
+    acceptance judges drafts by the untruncated distribution, so only its length is known)."""
+    backend, target, baseline = plain
+    engine = SpecEngine(target.model, DRAFTERS[drafter], TREES[tree], {"type": verifier},
+                        tokenizer=target.tokenizer, backend=backend)
+    params = [SamplingParams(temperature=0.8, top_k=1, max_tokens=p.max_tokens, ignore_eos=True, seed=i)
+              for i, p in enumerate(GREEDY)]
+    outs = engine.generate(PROMPTS, params)
+    if engine.verifier.lossless:
+        assert_lossless(outs, baseline, target.model, backend)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+
+
+def test_a_greedy_eagle2_step_waits_for_the_gpu_once(plain):
+    """With CUDA graphs, a beam's tree stays on the device through the target's forward and
+    the greedy verifier: the host waits once per step, for the verdict."""
+    from specflow.bench.gpu import sync_points
+
+    backend, target, _ = plain
+    engine = SpecEngine(target.model, DRAFTERS["eagle"], TREES["eagle2"], {"type": "greedy"},
+                        tokenizer=target.tokenizer, backend=backend)
+    waits = sync_points(engine, target.encode(PROMPTS[0]), torch.device("cuda"), max_tokens_per_step=5)
+    assert waits["per_step"] <= 1, waits["sites"]

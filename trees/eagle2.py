@@ -77,7 +77,7 @@ class Eagle2Builder:
 
         key = ("eagle2", k, self.depth, self.num_draft_tokens)
         state = (*grow.tensors(), beam.children, beam.children_logprobs)  # (the tree's on the host, moved by run)
-        return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, state, key))))
+        return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, state, key))), max_depth=self.depth)
 
     def _levels(self, grow: GrowingTree, tokens: Tensor, logprobs: Tensor, sampled: Tensor,
                 expand: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]) -> None:

@@ -36,18 +36,18 @@ class GreedyVerifier:
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
-        argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]: one copy
-        b, depth = tree.batch_size, int(tree.depth.max()) if tree.depth.numel() else 0
+        argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]
+        b, depth = tree.batch_size, tree.max_depth
+        if depth is None:  # (no bound known on the host: read it back)
+            depth = int(tree.depth.max()) if tree.depth.numel() else 0
         node = torch.zeros(b, dtype=torch.long, device=argmax.device)          # [B] last accepted node
         accepted = torch.full((b, depth + 1), -1, dtype=torch.long, device=argmax.device)
         accepted[:, 0] = 0
         alive = torch.ones(b, dtype=torch.bool, device=argmax.device)          # [B] still walking
-        for level in range(1, depth + 1):  # every request one depth down at once
+        for level in range(1, depth + 1):  # every request one depth down at once, no value read back
             target = argmax.gather(1, node[:, None])                          # [B, 1] the target's next token
             hit = tree.valid & (tree.parents == node[:, None]) & (tree.tokens == target)  # [B, N]
             alive &= hit.any(1)
-            if not alive.any():
-                break
             child = hit.int().argmax(1)                                        # [B] the first hit in index order
             node = torch.where(alive, child, node)
             accepted[:, level] = torch.where(alive, child, -1)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specflow.runtime.flashinfer_backend import FlashinferBackend, flashinfer_supports
 from specflow.runtime.kv_cache import PagedKVCache
-from specflow.runtime.transfer import to_device
+from specflow.runtime.transfer import to_device, to_host
 
 
 @dataclass
@@ -49,6 +49,12 @@ class ForwardBatch:
         slot_mapping = np.concatenate([row[p : p + q] for row, p, q in zip(rows, prefix_lens, qo_lens)])
         return ForwardBatch(list(request_ids), positions, list(prefix_lens), list(qo_lens),
                             tree_masks or [None] * len(request_ids), torch.from_numpy(slot_mapping), kv_index)
+
+    def host_tree_masks(self) -> list[np.ndarray | None]:
+        """``tree_masks`` as host arrays, those on a device brought back in one copy."""
+        on_device = [t for t in self.tree_masks if t is not None and t.device.type != "cpu"]
+        moved = iter(to_host(on_device) if on_device else [])
+        return [None if t is None else (t if t.device.type == "cpu" else next(moved)).numpy() for t in self.tree_masks]
 
 
 class AttentionBackend(Protocol):
@@ -102,11 +108,11 @@ class TorchBackend:
         i = np.arange(max_q)[None, :, None]                                            # query index
         j = np.arange(max_kv)[None, None, :]                                           # key index
         mask = (j <= p + i) & (j < p + q)  # causal over the new tokens, the whole prefix visible
-        for r, own in enumerate(batch.tree_masks):
+        for r, own in enumerate(batch.host_tree_masks()):
             if own is not None:  # the last m visible tokens follow the tree mask
                 n, m = batch.qo_lens[r], own.shape[1]
                 start = batch.prefix_lens[r] + n - m
-                mask[r, :n, start : start + m] = own.cpu().numpy()
+                mask[r, :n, start : start + m] = own
         new = (i < q)[..., 0]                                                          # [B, max_q]
         if self.sliding_window is not None:
             query_pos = np.zeros((b, max_q), dtype=np.int64)

@@ -14,8 +14,9 @@ planned before the run, the batch is padded to a captured size (padding requests
 write only the graphs' padding page, and their outputs are dropped), and ``fn`` replays as one
 graph recorded per (key, padded size, the backend's graph_key): one replay per build, where a
 level-by-level build pays a host round trip, a plan and a launch of every kernel per level
-(SGLang's EAGLE draft graph). Inputs reach the device in one copy and the tree comes back in
-one. On a CPU the same padded static path runs eagerly.
+(SGLang's EAGLE draft graph). The host's inputs reach the device in one copy, and the tree
+stays there for the target (nothing in a build waits for the device). On a CPU the same padded
+static path runs eagerly.
 
 Only the drafter's cache changes hands: the builder still scores and reranks, and ``commit``
 keeps the root's K/V alone, as for every EAGLE build (the branch slots go back to the pool).
@@ -34,7 +35,7 @@ from torch import Tensor
 from specflow.runtime.attention import ForwardBatch
 from specflow.runtime.cuda_graph import PAD_REQUEST, kv_bucket, record
 from specflow.runtime.model_runner import ModelRunner
-from specflow.runtime.transfer import to_device, to_host
+from specflow.runtime.transfer import to_device
 
 
 def top_children(logprobs: Tensor, k: int, to_target: Callable[[Tensor], Tensor], vocab_size: int) -> Tensor:
@@ -105,8 +106,9 @@ class Beam:
     def run(self, fn: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...],
             key: Hashable) -> tuple[Tensor, ...]:
         """``fn(*state)``: a tree builder's levels, which call ``expand`` once per level and
-        return tensors [B, ...]; ``state`` are its inputs [B, ...] (on one device), which it may
-        update in place. Returns fn's outputs on the device of ``state``.
+        return tensors [B, ...]; ``state`` are its inputs [B, ...] (host ones are moved in one
+        copy), which it may update in place. Returns fn's outputs on the drafter's device,
+        without waiting for it.
 
         With CUDA graphs on, ``fn`` runs over padded static copies of ``state`` on the drafter's
         device, replayed from a graph recorded per (``key``, shapes): ``fn`` must compute from
@@ -115,7 +117,7 @@ class Beam:
         and their outputs are dropped."""
         graphs, b, device = self.runner.graphs, len(self.request_ids), self.runner.device
         if graphs is None or b > graphs.sizes[-1]:  # eager: every level planned before its forward
-            self.branch, self.positions, self.tokens = to_device([self.branch, self.positions, self.children], device)
+            *state, self.branch, self.positions = to_device([*state, self.branch, self.positions], device)
             return tuple(fn(*state))
         s = next(size for size in graphs.sizes if size >= b)
         batches = [self._batch(d, s, kv_bucket(self.prefix.shape[1] + self.levels)) for d in range(1, self.levels + 1)]
@@ -146,10 +148,7 @@ class Beam:
         load()
         self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
         self._replay(g, body, load, graphs.pool if graphs.capture else None)
-        outputs = [out[:b] for out in g.outputs]  # (the next replay overwrites them: copies)
-        if state[0].device.type == "cpu":
-            return tuple(to_host(outputs))  # one copy back
-        return tuple(out.to(state[0].device, copy=True) for out in outputs)
+        return tuple(out[:b].clone() for out in g.outputs)  # (the next replay overwrites them: copies)
 
     def _replay(self, g: _BeamGraph, body: Callable[[], tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
         """Replay ``g`` for this build. The first run records ``body`` (the levels over g's
@@ -185,12 +184,12 @@ class Beam:
     def expand(self, choice: Tensor) -> tuple[Tensor, Tensor]:
         """Feed the next level: ``choice`` [S, k] picks among the last level's children
         (flattened [F * k], -1: none) and branch j takes the j-th. Returns the children of the
-        fed nodes: tokens and log-probs [S, k, k] (descending; -inf under a -1), on ``choice``'s
-        device. S counts ``run``'s padding requests."""
+        fed nodes: tokens and log-probs [S, k, k] (descending; -inf under a -1), on the
+        drafter's device, as ``choice``. S counts ``run``'s padding requests."""
         assert self.level < self.levels, f"the beam was reserved for {self.levels} levels"
-        s, k, cache, device = self.rows, self.k, self.runner.cache, self.runner.device
+        s, k, cache = self.rows, self.k, self.runner.cache
         d = self.level + 1
-        pick = choice.to(device, non_blocking=True).clamp(min=0)                                  # [S, k]
+        pick = choice.clamp(min=0)                                             # [S, k]
         parent = pick // k                                                     # [S, k] branch of each node's parent
         tokens = self.tokens.reshape(s, -1).gather(1, pick)                    # [S, k]
         inputs = {}
@@ -212,7 +211,7 @@ class Beam:
         self.tokens, self.level = top[:, k:].long().view(s, k, k), d
         if self.hidden is not None:
             self.hidden = out
-        top = top.view(s, k, 2 * k).to(choice.device)                         # eager: the level's one copy back
+        top = top.view(s, k, 2 * k)
         return top[..., k:].long(), top[..., :k].masked_fill((choice < 0)[..., None], float("-inf"))
 
     def _batch(self, d: int, s: int, width: int) -> ForwardBatch:

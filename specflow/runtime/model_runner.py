@@ -48,9 +48,12 @@ class RuntimeOptions:
         return runner
 
 
-def token_flat(rows: list) -> Tensor:
-    """[T] int64 CPU tensor of per-request rows (int sequences or 1-D tensors), request-major;
-    int rows go through numpy, one conversion for the whole batch."""
+def token_flat(rows: list | Tensor) -> Tensor:
+    """[T] int64 tensor of per-request rows, request-major: a [B, N] tensor where it lies, else
+    on the host (int sequences or 1-D tensors; int rows go through numpy, one conversion for the
+    whole batch)."""
+    if isinstance(rows, Tensor):
+        return rows.reshape(-1).long()
     if any(isinstance(r, Tensor) for r in rows):
         return torch.cat([torch.as_tensor(r).view(-1).cpu() for r in rows]).long()
     return torch.from_numpy(np.fromiter(chain.from_iterable(rows), dtype=np.int64))
@@ -90,19 +93,21 @@ class ModelRunner:
         return self.cache.kv_lens.get(request_id, 0)
 
     @torch.inference_mode()
-    def extend(self, request_ids: list[int], token_ids: list, *,
-               positions: list | None = None, tree_masks: list[Tensor | None] | None = None,
+    def extend(self, request_ids: list[int], token_ids: list | Tensor, *,
+               positions: list | Tensor | None = None, tree_masks: list[Tensor | None] | None = None,
                logits: Literal["all", "last", "none"] = "all", taps: tuple[int, ...] = (),
                inputs: dict[str, Tensor] | None = None) -> ExtendOutput:
         """Append tokens to each request's cache and run the model over them.
 
-        Token ids and positions are per-request rows: lists (or ranges) of ints, or 1-D tensors.
-        ``positions`` default to consecutive positions after the cached prefix; tree verification
-        passes depth-based positions and ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are
+        Token ids and positions are per-request rows: lists (or ranges) of ints or 1-D tensors, or
+        one [B, N] tensor (N tokens each; on the model's device, no value of it is read on the
+        host, bar positions under a sliding window). ``positions`` default to consecutive
+        positions after the cached prefix; tree verification passes depth-based positions and
+        ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are
         extra per-token model inputs, token-flat ``[T, ...]`` in the order of ``token_ids``
         (e.g. EAGLE's ``features``), passed to the model as keyword arguments.
         """
-        qo_lens = [len(t) for t in token_ids]
+        qo_lens = [token_ids.shape[1]] * len(token_ids) if isinstance(token_ids, Tensor) else [len(t) for t in token_ids]
         prefix_lens = [self.kv_len(r) for r in request_ids]
         tree_masks = tree_masks or [None] * len(request_ids)
         graph_n = self._reserve(request_ids, prefix_lens, qo_lens, tree_masks)

@@ -56,9 +56,13 @@ def tree_batch(cache, prefix_lens, tree_sizes, g, causal_every=3):
 @given(page_size=st.sampled_from([1, 3, 16]), seed=st.integers(0, 2**16), window=st.sampled_from([None, 1, 4]),
        prefix_lens=st.lists(st.integers(0, 20), min_size=1, max_size=4), data=st.data())
 def test_custom_mask_is_the_torch_backends_mask(page_size, seed, window, prefix_lens, data):
+    """Both ways tree masks reach the mask: stacked where they lie (one shape, as a target's
+    verification: the 3rd request, causal, may send more tokens) or laid out on the host."""
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(1, HKV, D, num_pages=200, page_size=page_size)
     sizes = [data.draw(st.integers(1, 12)) for _ in prefix_lens]
+    if data.draw(st.booleans(), "one tree size"):
+        sizes = [sizes[0] if r % 3 != 2 else n for r, n in enumerate(sizes)]
     batch = tree_batch(cache, prefix_lens, sizes, g)
     oracle = TorchBackend(cache, sliding_window=window)
     oracle.plan(batch, graph={})  # a graph plan always keeps the mask tensor

@@ -23,6 +23,9 @@ def test_chain_is_a_valid_tree_of_depth_plus_one_nodes(depth, batch, seed, max_c
         n_valid = int(tree.valid[r].sum())
         assert tree.valid[r, :n_valid].all()
         assert tree.parents[r, 1:n_valid].tolist() == list(range(n_valid - 1))
+    # the engine moves a host tree to the target's device; the move reads its depth bound
+    moved = tree.to(torch.device("cpu"))
+    assert moved.max_depth == int(tree.depth.max()) and torch.equal(moved.mask, tree.mask)
 
 
 def test_greedy_chain_follows_the_drafter_argmax():
