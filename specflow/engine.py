@@ -213,8 +213,6 @@ class SpecEngine:
                 tree = self._draft(batch, roots)
             except OutOfPages:  # the drafter's own pool is full: verify the roots only this step
                 tree = DraftTree.root_only(roots)
-            if tree.num_nodes > 1:  # the target and the verifier read it on the device (a beam's is there)
-                tree = tree.to(self.device)
             if self.record_steps and self.device.type == "cuda":  # the timings split the device's work too
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
@@ -223,6 +221,8 @@ class SpecEngine:
             except OutOfPages:
                 finished += self._preempt()
                 continue
+            if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
+                tree = tree.to(self.device)
             verdict = self._verify(tree, out, batch)
             # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
             # and the greedy verifier, the step's one wait for the device

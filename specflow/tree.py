@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specflow.runtime.transfer import to_device
+from specflow.runtime.transfer import to_device, to_host
 
 
 @dataclass(slots=True)
@@ -112,8 +112,10 @@ class DraftTree:
 
     def to(self, device: torch.device) -> "DraftTree":
         """This tree on ``device``, its host tensors moved in one copy (specflow.runtime.transfer);
-        a host tree's ``max_depth`` is filled in on the way."""
-        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        a host tree's ``max_depth`` is filled in on the way. ``draft_probs`` ([B, N, V]) stays
+        where it is: the sampled verifiers read a few of its rows on the host."""
+        names = [f.name for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), Tensor) and f.name != "draft_probs"]
         moved = to_device([getattr(self, name) for name in names], device)
         max_depth = self.max_depth
         if max_depth is None and self.depth.device.type == "cpu":
@@ -141,18 +143,20 @@ class DraftTree:
                          None, probs).with_mask(bound)
 
     def place(self, rows: list[int], sub: "DraftTree") -> "DraftTree":
-        """A copy of this tree with rows ``rows`` replaced by the rows of ``sub`` (same N)."""
+        """A copy of this tree with rows ``rows`` replaced by the rows of ``sub`` (same N), on
+        ``sub``'s device (this tree moved there in one copy)."""
         assert sub.num_nodes == self.num_nodes
-        out = dataclasses.replace(self)
+        device = sub.tokens.device
+        base = self.to(device)
+        index, = to_device([torch.tensor(rows)], device)
+        out = dataclasses.replace(base)
         for name in ("tokens", "parents", "depth", "positions", "scores", "valid", "sampled", "mask"):
-            full = getattr(self, name).clone()
-            full[rows] = getattr(sub, name).to(full.device, full.dtype)
-            setattr(out, name, full)
+            full = getattr(base, name)
+            setattr(out, name, full.index_copy(0, index, getattr(sub, name).to(full.dtype)))
         if sub.draft_probs is not None:
-            full = sub.draft_probs.new_zeros(self.batch_size, *sub.draft_probs.shape[1:])
-            full[rows] = sub.draft_probs
-            out.draft_probs = full.to(self.tokens.device)
-        out.max_depth = None if None in (self.max_depth, sub.max_depth) else max(self.max_depth, sub.max_depth)
+            out.draft_probs = sub.draft_probs.new_zeros(self.batch_size, *sub.draft_probs.shape[1:]).index_copy(
+                0, index.to(sub.draft_probs.device), sub.draft_probs)
+        out.max_depth = None if None in (base.max_depth, sub.max_depth) else max(base.max_depth, sub.max_depth)
         return out
 
     def with_mask(self, depth: int | None = None) -> "DraftTree":
@@ -196,7 +200,7 @@ class DraftTree:
     def check(self) -> None:
         """Assert the structural invariants (used by tests and debug runs)."""
         b, n = self.tokens.shape
-        idx = torch.arange(n)
+        idx = torch.arange(n, device=self.parents.device)
         assert (self.parents[:, 0] == -1).all(), "node 0 must be the root"
         if n > 1:
             assert (self.parents[:, 1:] < idx[1:]).all(), "parents must precede children"
@@ -210,13 +214,15 @@ class DraftTree:
             assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu())
 
     def to_json(self, b: int) -> dict:
-        """Request b's tree as plain lists (for StepRecord)."""
+        """Request b's tree as plain lists (for StepRecord), brought to the host in one copy."""
+        tokens, parents, depth, scores, valid = to_host(
+            [self.tokens[b], self.parents[b], self.depth[b], self.scores[b].float(), self.valid[b]])
         return {
-            "tokens": self.tokens[b].tolist(),
-            "parents": self.parents[b].tolist(),
-            "depth": self.depth[b].tolist(),
-            "scores": [round(s, 6) for s in self.scores[b].float().tolist()],
-            "valid": self.valid[b].tolist(),
+            "tokens": tokens.tolist(),
+            "parents": parents.tolist(),
+            "depth": depth.tolist(),
+            "scores": [round(s, 6) for s in scores.tolist()],
+            "valid": valid.tolist(),
         }
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from specflow.registry import VERIFIERS
+from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import SamplingBatch, target_probs, uniform
 from specflow.tree import DraftTree, Verdict
 from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
@@ -67,17 +68,20 @@ class RejectionVerifier:
                     still.append(r)
             active = still
         bonus = sample_bonus(probs, residuals, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
+        return make_verdict(paths, bonus, host.max_depth)
 
     @staticmethod
     def _host_rows(probs: Tensor, tree: DraftTree, reqs: list[int], nodes: list[int]) -> dict[int, np.ndarray]:
-        """{request: [2, V] float64 (p, q) at its node}, in one device->host copy."""
+        """{request: [2, V] float64 (p, q) at its node}, each row indexed where it lies and
+        brought to the host in one copy."""
         if not reqs:
             return {}
         assert tree.draft_probs is not None, "sampled nodes need tree.draft_probs"
-        r, n = torch.tensor(reqs, device=probs.device), torch.tensor(nodes, device=probs.device)
-        pq = torch.stack([probs[r, n], tree.draft_probs[r, n].to(probs)], 1).cpu().double().numpy()  # [R, 2, V]
-        return dict(zip(reqs, pq))
+        r, n = torch.tensor(reqs), torch.tensor(nodes)
+        p_r, p_n = to_device([r, n], probs.device)
+        q_r, q_n = to_device([r, n], tree.draft_probs.device)
+        p_rows, q_rows = to_host([probs[p_r, p_n], tree.draft_probs[q_r, q_n].to(probs.dtype)])  # [R, V] each
+        return dict(zip(reqs, np.stack([p_rows.double().numpy(), q_rows.double().numpy()], 1)))  # [R, 2, V]
 
     @staticmethod
     def _try_children(host: HostTree, b: int, node: int, p_draft: list[float], pq: np.ndarray | None,

@@ -73,4 +73,4 @@ class ThresholdVerifier:
             paths.append(path)
             residuals.append(res)
         bonus = sample_bonus(probs, residuals, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
+        return make_verdict(paths, bonus, host.max_depth)

@@ -68,4 +68,4 @@ class TypicalVerifier:
             paths.append(path)
             residuals.append(Residual(node))
         bonus = sample_bonus(target_probs(logits, sampling), residuals, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth, tree.tokens.device)
+        return make_verdict(paths, bonus, host.max_depth)

@@ -82,11 +82,12 @@ def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torc
     return torch.minimum(token, last).tolist()
 
 
-def make_verdict(paths: list[list[int]], bonus: list[int], max_depth: int, device: torch.device) -> Verdict:
-    """Accepted node paths (root first) and bonus tokens -> Verdict with accepted [B, max_depth + 1]."""
+def make_verdict(paths: list[list[int]], bonus: list[int], max_depth: int) -> Verdict:
+    """Accepted node paths (root first) and bonus tokens -> Verdict with accepted [B, max_depth + 1],
+    on the host (where the walk ran and the engine reads it)."""
     padded = [p + [-1] * (max_depth + 1 - len(p)) for p in paths]
     return Verdict(
-        accepted=torch.tensor(padded, dtype=torch.long, device=device),
-        accept_len=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long, device=device),
-        bonus_tokens=torch.tensor(bonus, dtype=torch.long, device=device),
+        accepted=torch.tensor(padded, dtype=torch.long),
+        accept_len=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
+        bonus_tokens=torch.tensor(bonus, dtype=torch.long),
     )

@@ -50,11 +50,26 @@ class ForwardBatch:
         return ForwardBatch(list(request_ids), positions, list(prefix_lens), list(qo_lens),
                             tree_masks or [None] * len(request_ids), torch.from_numpy(slot_mapping), kv_index)
 
-    def host_tree_masks(self) -> list[np.ndarray | None]:
-        """``tree_masks`` as host arrays, those on a device brought back in one copy."""
-        on_device = [t for t in self.tree_masks if t is not None and t.device.type != "cpu"]
+    def stacked_tree_masks(self, device: torch.device | str) -> Tensor | None:
+        """The tree masks as one [B, max_q, max_m] bool tensor, zero padded (None when every
+        request is causal): stacked on ``device`` when they all lie there with one shape (a
+        target verifying trees built on the device: no copy, no wait), else laid out on the
+        host (those on a device brought back in one copy)."""
+        masks = [t for t in self.tree_masks if t is not None]
+        if not masks:
+            return None
+        device, max_q = torch.device(device), max(self.qo_lens)
+        q, width = masks[0].shape
+        if all(t.device == device and t.shape == (q, width) for t in masks):
+            blank = masks[0].new_zeros(q, width)  # (a causal request's rows are never read)
+            return F.pad(torch.stack([blank if t is None else t for t in self.tree_masks]), (0, 0, 0, max_q - q))
+        on_device = [t for t in masks if t.device.type != "cpu"]
         moved = iter(to_host(on_device) if on_device else [])
-        return [None if t is None else (t if t.device.type == "cpu" else next(moved)).numpy() for t in self.tree_masks]
+        trees = np.zeros((len(self.tree_masks), max_q, max(t.shape[1] for t in masks)), dtype=bool)
+        for row, t in zip(trees, self.tree_masks):
+            if t is not None:
+                row[: t.shape[0], : t.shape[1]] = (t if t.device.type == "cpu" else next(moved)).numpy()
+        return torch.from_numpy(trees)
 
 
 class AttentionBackend(Protocol):
@@ -108,12 +123,8 @@ class TorchBackend:
         i = np.arange(max_q)[None, :, None]                                            # query index
         j = np.arange(max_kv)[None, None, :]                                           # key index
         mask = (j <= p + i) & (j < p + q)  # causal over the new tokens, the whole prefix visible
-        for r, own in enumerate(batch.host_tree_masks()):
-            if own is not None:  # the last m visible tokens follow the tree mask
-                n, m = batch.qo_lens[r], own.shape[1]
-                start = batch.prefix_lens[r] + n - m
-                mask[r, :n, start : start + m] = own
         new = (i < q)[..., 0]                                                          # [B, max_q]
+        window = None
         if self.sliding_window is not None:
             query_pos = np.zeros((b, max_q), dtype=np.int64)
             query_pos[new] = batch.positions.cpu().numpy()
@@ -121,14 +132,28 @@ class TorchBackend:
             key_pos = np.repeat(np.arange(max_kv)[None], b, 0)                          # [B, max_kv]
             at = np.minimum(p[:, :, 0] + np.arange(max_q)[None], max_kv - 1)           # [B, max_q]
             np.put_along_axis(key_pos, at, np.where(new, query_pos, np.take_along_axis(key_pos, at, 1)), 1)
-            mask &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window
+            window = (query_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window  # [B, max_q, max_kv]
+            mask &= window
         mask[~new] = j[0, 0] == 0  # padded query rows attend to key 0; their output is dropped
         self.shape = (b, max_q, max_kv)
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
+        trees = batch.stacked_tree_masks(device)                                       # [B, max_q, max_m]
         host = [batch.kv_index, torch.from_numpy(np.flatnonzero(new)), batch.slot_mapping]  # [B, max_kv], [T], [T]
-        if not mask.all() or graph is not None:  # (every key visible, e.g. one request decoding: no mask at all)
+        if trees is not None or not mask.all() or graph is not None:  # (every key visible: no mask at all)
             host.append(torch.from_numpy(mask)[:, None])                                # [B, 1, max_q, max_kv]
+        if trees is not None:  # request r's last m_r keys follow its tree mask, over its new rows
+            m = np.array([0 if t is None else t.shape[1] for t in batch.tree_masks])   # [B]
+            region = (j >= p + q - m[:, None, None]) & (j < p + q) & new[..., None]    # [B, max_q, max_kv]
+            col = np.clip(j[0] - (p + q - m[:, None, None])[:, 0], 0, trees.shape[2] - 1)  # [B, max_kv] column in it
+            host += [trees, torch.from_numpy(region), torch.from_numpy(col)]
+            if window is not None:
+                host.append(torch.from_numpy(window))
         self.kv_index, self.q_rows, self.slot_mapping, *visible = to_device(host, device)  # one copy
+        if trees is not None:  # the tree bits where they lie (a target's trees: on the device)
+            visible, trees, region, col, *windowed = visible
+            bits = trees.gather(2, col[:, None, :].expand(b, max_q, max_kv))          # [B, max_q, max_kv]
+            bits = bits & windowed[0] if windowed else bits
+            visible = [torch.where(region, bits, visible[:, 0])[:, None]]
         self.mask = None
         if visible:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
             self.mask = torch.zeros(visible[0].shape, dtype=self.cache.k.dtype, device=device)

@@ -119,28 +119,33 @@ class GraphRunner:
         # row of every real token in the padded layout; each request's padding follows its tokens
         rows = np.arange(b * n) if all(q == n for q in qo_lens) else \
             np.concatenate([np.arange(r * n, r * n + q) for r, q in enumerate(qo_lens)])         # [T]
-        padding_positions = np.arange(size * n) % n + np.repeat(prefix_lens + [0] * pad, n)         # logical indices
-        # the real positions go in on the device, where they may lie (nothing waits for them)
-        rows, padded_positions, positions = to_device(
-            [torch.from_numpy(rows), torch.from_numpy(padding_positions), positions], self.runner.device)
+        padded_positions = np.arange(size * n) % n + np.repeat(prefix_lens + [0] * pad, n)          # logical indices
+        if self.runner.model.config.sliding_window:  # laid out on the host, where the backends read them
+            padded_positions[rows] = positions.cpu().numpy()
+            rows, padded_positions = torch.from_numpy(rows), torch.from_numpy(padded_positions)
+        else:  # laid out on the device: positions that lie there (a tree's) are never waited for
+            rows, padded_positions, positions = to_device(
+                [torch.from_numpy(rows), torch.from_numpy(padded_positions), positions], self.runner.device)
+            padded_positions.index_copy_(0, rows, positions)
         padded = ForwardBatch.build(
             self.runner.cache, request_ids + [PAD_REQUEST] * pad, prefix_lens + [0] * pad, [n] * size,
-            padded_positions.index_copy_(0, rows, positions), tree_masks + [None] * pad, kv_width=width)
+            padded_positions, tree_masks + [None] * pad, kv_width=width)
         return self._replay(padded, n, rows, input_ids, taps, inputs)
 
     def _replay(self, padded: ForwardBatch, n: int, rows: Tensor, input_ids: Tensor, taps: tuple[int, ...],
                 inputs: dict[str, Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """Plan ``padded`` (n tokens per row; its positions on the device) into its graph, copy
-        the real tokens' inputs to their ``rows`` [T] (on the device) of the static buffers,
-        replay (capture the first time), and return the real rows' outputs."""
+        """Plan ``padded`` (n tokens per row) into its graph, copy the real tokens' inputs to
+        their ``rows`` of the static buffers, replay (capture the first time), and return the
+        real rows' outputs."""
         size = len(padded.request_ids)
         key = (size, n, taps, tuple(inputs), self.runner.attn.graph_key(padded))
         g = self.graphs.get(key)
         if g is None or not self.runner.attn.graph_fits(g.attn_state, padded):  # (an outgrown graph goes)
             g = self.graphs[key] = self._new_graph(size * n, inputs)
         self.runner.attn.plan(padded, graph=g.attn_state)
+        rows, positions = to_device([rows, padded.positions], self.runner.device)
         g.input_ids.zero_().index_copy_(0, rows, input_ids)
-        g.positions.copy_(padded.positions)
+        g.positions.copy_(positions)
         for name, x in inputs.items():
             g.inputs[name].zero_().index_copy_(0, rows, x)
         if g.hidden is None:

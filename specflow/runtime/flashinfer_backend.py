@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specflow.runtime.kv_cache import PagedKVCache
@@ -136,7 +135,7 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
     b, qo_lens = len(batch.request_ids), batch.qo_lens
     m = [0 if t is None else t.shape[1] for t in batch.tree_masks]  # request r's tree mask: its last m_r columns
     host = [torch.tensor(batch.prefix_lens), torch.tensor(qo_lens), torch.tensor(m)]    # (m_r = 0 where causal)
-    trees = _stacked_tree_masks(batch, device)                                          # [B, max_q, max_m] or None
+    trees = batch.stacked_tree_masks(device)                                            # [B, max_q, max_m] or None
     if sliding_window is not None:
         host.append(batch.positions)                                                    # [T]
     p, n, m, *rest = to_device(host if trees is None else [*host, trees], device)       # [B] each: one copy
@@ -163,25 +162,6 @@ def custom_mask(batch: ForwardBatch, sliding_window: int | None = None,
         key_pos = torch.where(new >= 0, positions[first + new.clamp(min=0)], j)
         mask &= (query_pos - key_pos) < sliding_window
     return mask & ~gap
-
-
-def _stacked_tree_masks(batch: ForwardBatch, device: torch.device) -> Tensor | None:
-    """The batch's tree masks as one [B, max_q, max_m] bool tensor (zero padded; None when
-    every request is causal): stacked on ``device`` when they all lie there with one shape (a
-    target verifying trees built on the device: no copy, no wait), else on the host."""
-    masks = [t for t in batch.tree_masks if t is not None]
-    if not masks:
-        return None
-    device, max_q = torch.device(device), max(batch.qo_lens)
-    q, width = masks[0].shape
-    if all(t.device == device and t.shape == (q, width) for t in masks):
-        blank = masks[0].new_zeros(q, width)  # (causal requests' rows are never read)
-        return F.pad(torch.stack([blank if t is None else t for t in batch.tree_masks]), (0, 0, 0, max_q - q))
-    trees = np.zeros((len(batch.tree_masks), max_q, max(t.shape[1] for t in masks)), dtype=bool)
-    for row, t in zip(trees, batch.host_tree_masks()):
-        if t is not None:
-            row[: t.shape[0], : t.shape[1]] = t
-    return torch.from_numpy(trees)
 
 
 def packbits(bits: Tensor) -> Tensor:

@@ -96,8 +96,9 @@ def run_steps(plain: ModelRunner, graphed: ModelRunner, seed: int, steps: int = 
                 torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-def runners(path, page_size, device="cpu"):
+def runners(path, page_size, device="cpu", sliding_window=None):
     model = load_model(path, device=device)
+    model.config.sliding_window = sliding_window
     plain = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
     graphed = ModelRunner(model, num_pages=2048 // page_size, page_size=page_size)
     graphed.enable_graphs(max_batch_size=8, max_tokens_per_request=NODES)
@@ -105,9 +106,10 @@ def runners(path, page_size, device="cpu"):
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**16), page_size=st.sampled_from([1, 16]))
-def test_padded_static_forward_equals_plain(tiny_target, seed, page_size):
-    plain, graphed = runners(tiny_target, page_size)
+@given(seed=st.integers(0, 2**16), page_size=st.sampled_from([1, 16]), window=st.sampled_from([None, 5]))
+def test_padded_static_forward_equals_plain(tiny_target, seed, page_size, window):
+    """(A sliding window: positions are laid out on the host, where the backends read them.)"""
+    plain, graphed = runners(tiny_target, page_size, sliding_window=window)
     run_steps(plain, graphed, seed)
     assert graphed.graphs.graphs, "the graph path was never taken"
     assert {key[1] for key in graphed.graphs.graphs} <= {1, 2, NODES}, "causal extends pad to a power of two"
