@@ -103,9 +103,9 @@ class ModelRunner:
         one [B, N] tensor (N tokens each; on the model's device, no value of it is read on the
         host, bar positions under a sliding window). ``positions`` default to consecutive
         positions after the cached prefix; tree verification passes depth-based positions and
-        ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are
-        extra per-token model inputs, token-flat ``[T, ...]`` in the order of ``token_ids``
-        (e.g. EAGLE's ``features``), passed to the model as keyword arguments.
+        ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are extra per-token model inputs,
+        token-flat ``[T, ...]`` in the order of ``token_ids`` (e.g. EAGLE's ``features``), passed
+        to the model as keyword arguments.
         """
         qo_lens = [token_ids.shape[1]] * len(token_ids) if isinstance(token_ids, Tensor) else [len(t) for t in token_ids]
         prefix_lens = [self.kv_len(r) for r in request_ids]
