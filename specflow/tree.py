@@ -117,10 +117,15 @@ class DraftTree:
         names = [f.name for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), Tensor) and f.name != "draft_probs"]
         moved = to_device([getattr(self, name) for name in names], device)
-        max_depth = self.max_depth
-        if max_depth is None and self.depth.device.type == "cpu":
-            max_depth = int(self.depth.max()) if self.depth.numel() else 0
-        return dataclasses.replace(self, **dict(zip(names, moved)), max_depth=max_depth)
+        host = self.depth.device.type == "cpu"
+        return dataclasses.replace(self, **dict(zip(names, moved)),
+                                   max_depth=self.depth_bound() if host else self.max_depth)
+
+    def depth_bound(self) -> int:
+        """``max_depth``, else the deepest node's depth (read back from the device if it lies there)."""
+        if self.max_depth is not None:
+            return self.max_depth
+        return int(self.depth.max()) if self.depth.numel() else 0
 
     def pad_to(self, n: int) -> "DraftTree":
         """Append padding nodes (invalid, token 0, under the root) up to n nodes."""

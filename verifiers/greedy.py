@@ -37,9 +37,7 @@ class GreedyVerifier:
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
         argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]
-        b, depth = tree.batch_size, tree.max_depth
-        if depth is None:  # (no bound known on the host: read it back)
-            depth = int(tree.depth.max()) if tree.depth.numel() else 0
+        b, depth = tree.batch_size, tree.depth_bound()  # (a builder's bound: nothing read back)
         node = torch.zeros(b, dtype=torch.long, device=argmax.device)          # [B] last accepted node
         accepted = torch.full((b, depth + 1), -1, dtype=torch.long, device=argmax.device)
         accepted[:, 0] = 0

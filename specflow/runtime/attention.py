@@ -143,17 +143,18 @@ class TorchBackend:
             host.append(torch.from_numpy(mask)[:, None])                                # [B, 1, max_q, max_kv]
         if trees is not None:  # request r's last m_r keys follow its tree mask, over its new rows
             m = np.array([0 if t is None else t.shape[1] for t in batch.tree_masks])   # [B]
-            region = (j >= p + q - m[:, None, None]) & (j < p + q) & new[..., None]    # [B, max_q, max_kv]
-            col = np.clip(j[0] - (p + q - m[:, None, None])[:, 0], 0, trees.shape[2] - 1)  # [B, max_kv] column in it
-            host += [trees, torch.from_numpy(region), torch.from_numpy(col)]
+            col = j[0] - (p + q)[:, 0] + m[:, None]                                     # [B, max_kv] column in its mask
+            inside = (col >= 0) & (col < m[:, None])                                    # [B, max_kv]
+            col = np.clip(col, 0, trees.shape[2] - 1)
+            host += [trees, torch.from_numpy(col), torch.from_numpy(inside), torch.from_numpy(new)]
             if window is not None:
                 host.append(torch.from_numpy(window))
         self.kv_index, self.q_rows, self.slot_mapping, *visible = to_device(host, device)  # one copy
         if trees is not None:  # the tree bits where they lie (a target's trees: on the device)
-            visible, trees, region, col, *windowed = visible
+            visible, trees, col, inside, rows, *windowed = visible
             bits = trees.gather(2, col[:, None, :].expand(b, max_q, max_kv))          # [B, max_q, max_kv]
             bits = bits & windowed[0] if windowed else bits
-            visible = [torch.where(region, bits, visible[:, 0])[:, None]]
+            visible = [torch.where(inside[:, None, :] & rows[:, :, None], bits, visible[:, 0])[:, None]]
         self.mask = None
         if visible:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
             self.mask = torch.zeros(visible[0].shape, dtype=self.cache.k.dtype, device=device)
