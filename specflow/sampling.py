@@ -109,45 +109,69 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     """[B, N, V] logits -> [B, N, V] float32 probabilities after temperature, top-k, top-p, min-p.
 
     Greedy rows (temperature 0) become one-hot at the argmax, so every acceptance rule reduces
-    to "accept iff the draft equals the argmax" for them.
+    to "accept iff the draft equals the argmax" for them. The filters sort only what they read:
+    nothing when no sampled row filters, the top max(top_k) tokens when every sampled row has a
+    top-k, else the whole vocabulary.
     """
     logits = logits.float()
     b, n, v = logits.shape
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if bool(sampling.greedy.all()):
-        return one_hot
+    sampled = ~sampling.greedy  # (the batch's parameters are on the host: reading them does not wait)
+    if not bool(sampled.any()):
+        return _one_hot(logits)
     greedy, temp, top_k, top_p, min_p = (x.view(b, 1, 1) for x in to_device(
         [sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], logits.device))
-    temp = temp.clamp(min=1e-5)
-    probs = torch.softmax(logits / temp, dim=-1)
+    probs = torch.softmax(logits / temp.clamp(min=1e-5), dim=-1)
+    k = sampling.top_k[sampled]
+    if bool((k > 0).any() or (sampling.top_p[sampled] < 1).any() or (sampling.min_p[sampled] > 0).any()):
+        candidates = min(int(k.max()), v) if bool((k > 0).all()) else v
+        probs = _filtered(probs, candidates, top_k, top_p, min_p)
+    return torch.where(greedy, _one_hot(logits), probs) if not bool(sampled.all()) else probs
 
-    # top-k and top-p on the sorted distribution; the top token always survives
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, N, V]
-    rank = torch.arange(v, device=logits.device).view(1, 1, v)
-    drop = (top_k > 0) & (rank >= top_k)
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
+
+def _one_hot(logits: Tensor) -> Tensor:
+    """[..., V] logits -> float32 one-hot at the argmax."""
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def _filtered(probs: Tensor, candidates: int, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """top-k, top-p and min-p of [B, N, V] probs over each row's ``candidates`` most likely tokens
+    (the rest are beyond every row's top-k); the top token always survives."""
+    v = probs.shape[-1]
+    sorted_p, order = probs.topk(candidates) if candidates < v else probs.sort(dim=-1, descending=True)  # [B, N, C]
+    rank = torch.arange(candidates, device=probs.device).view(1, 1, candidates)
+    sorted_p = sorted_p.masked_fill((top_k > 0) & (rank >= top_k), 0.0)
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly better tokens
     sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)  # top_p 1: cumsum rounding cuts nothing
     sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    probs = probs / probs.sum(-1, keepdim=True)
-    return torch.where(greedy, one_hot, probs)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
-def sample(probs: Tensor, generator: torch.Generator) -> int:
-    """Draw one token from a [V] distribution with a request's generator."""
-    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row of [B, V] probabilities (any positive scale) by inverse CDF with the
+    uniforms ``u`` [B] float64 (on probs' device): the first token whose cumulative mass passes
+    u x the row's mass. Greedy rows (one-hot) give their argmax."""
+    rows = probs.double()
+    cdf = rows.cumsum(-1)                                                              # [B, V]
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]  # first cdf > u * mass
+    last = torch.where(rows > 0, torch.arange(rows.shape[-1], device=rows.device), 0).amax(-1)  # rounding at the top end
+    return torch.minimum(token, last)                                                  # [B]
+
+
+def uniforms(generators: list[torch.Generator], device: torch.device) -> Tensor:
+    """One U[0, 1) draw per request's generator, [B] float64 on ``device`` (moved without waiting)."""
+    u = torch.tensor([uniform(g) for g in generators], dtype=torch.float64)
+    return to_device([u], device)[0]
 
 
 def next_tokens(logits: Tensor, sampling: SamplingBatch) -> list[int]:
     """One token per row of [B, V] target logits: the argmax for greedy rows, else a draw from
-    the processed distribution with the row's generator."""
-    greedy, argmax = sampling.greedy.tolist(), logits.argmax(-1).tolist()
-    if all(greedy):
-        return argmax
-    probs = target_probs(logits[:, None], sampling)[:, 0].cpu()  # [B, V]: one copy
-    return [argmax[b] if greedy[b] else sample(probs[b], sampling.generators[b]) for b in range(len(greedy))]
+    the processed distribution with the row's generator; only the tokens come back to the host."""
+    if bool(sampling.greedy.all()):
+        return logits.argmax(-1).tolist()
+    probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
+    return sample_rows(probs, uniforms(sampling.generators, probs.device)).tolist()
 
 
 def uniform(generator: torch.Generator) -> float:

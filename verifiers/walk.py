@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from specflow.sampling import uniform
+from specflow.sampling import sample_rows, uniforms
 from specflow.tree import DraftTree, Verdict
 
 
@@ -59,7 +59,7 @@ class Residual:
 def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torch.Generator]) -> list[int]:
     """One bonus token per request from its renormalised residual.
 
-    Inverse-CDF sampling of every row at once with one uniform per request; only the tokens
+    Every row is sampled at once (``sample_rows``) with one uniform per request; only the tokens
     come back to the host. A residual with no mass left (rounding, or every token zeroed)
     falls back to the node's full distribution.
     """
@@ -75,11 +75,7 @@ def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torc
     dense = [i for i, r in enumerate(residuals) if r.dense is not None]
     if dense:
         rows[dense] = torch.stack([residuals[i].dense for i in dense]).to(rows)
-    u = torch.tensor([uniform(g) for g in generators], dtype=torch.float64, device=dev)  # [B]
-    cdf = rows.cumsum(-1)                                                              # [B, V]
-    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]  # first cdf > u * mass
-    last = torch.where(rows > 0, torch.arange(v, device=dev), 0).amax(-1)  # rounding at the top end
-    return torch.minimum(token, last).tolist()
+    return sample_rows(rows, uniforms(generators, dev)).tolist()
 
 
 def make_verdict(paths: list[list[int]], bonus: list[int], max_depth: int) -> Verdict:

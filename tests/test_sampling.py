@@ -1,0 +1,78 @@
+"""Target-logits processing against a per-row reference, and the inverse-CDF sampler."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from specflow.sampling import SamplingBatch, SamplingParams, make_generator, next_tokens, sample_rows, target_probs
+
+
+def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """One row [V] processed the textbook way, in float64: temperature, keep the top_k most likely,
+    keep the smallest prefix whose mass reaches top_p, drop tokens under min_p x the top one."""
+    if p.temperature == 0:
+        return np.eye(len(logits))[logits.argmax()]
+    x = np.exp((logits - logits.max()) / p.temperature)
+    order = np.argsort(-x, kind="stable")
+    kept = x[order] / x.sum()
+    if p.top_k > 0:
+        kept[p.top_k:] = 0.0
+    kept /= kept.sum()
+    before = np.cumsum(kept) - kept
+    if p.top_p < 1:
+        kept[before >= p.top_p] = 0.0
+    kept[kept < p.min_p * kept[0]] = 0.0
+    out = np.zeros_like(kept)
+    out[order] = kept / kept.sum()
+    return out
+
+
+row_params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+                       top_k=st.sampled_from([-1, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.9, 0.5]),
+                       min_p=st.sampled_from([0.0, 0.05, 0.3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.lists(row_params, min_size=1, max_size=4), n=st.integers(1, 3), seed=st.integers(0, 2**16))
+@example(params=[SamplingParams(temperature=1.0)], n=2, seed=0)                    # no filter: no sort
+@example(params=[SamplingParams(temperature=1.0, min_p=0.3)], n=2, seed=0)         # each filter alone
+@example(params=[SamplingParams(temperature=1.0, top_p=0.5)], n=2, seed=0)
+@example(params=[SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0)], n=2, seed=0)
+@example(params=[SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.9)], n=2, seed=0)
+def test_target_probs_match_the_reference(params, n, seed):
+    """Every mix of greedy rows and filters: no filter (no sort), top-k on every sampled row (top
+    max(top_k) only) and the full sort give the textbook distribution."""
+    logits = torch.randn(len(params), n, 30, generator=torch.Generator().manual_seed(seed)) * 3  # [B, N, V]
+    sampling = SamplingBatch.from_params(params, [torch.Generator() for _ in params])
+    got = target_probs(logits, sampling)
+    want = np.stack([[reference_probs(row, p) for row in rows] for rows, p in zip(logits.double().numpy(), params)])
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
+
+
+def test_sample_rows_inverts_the_cdf():
+    probs = torch.tensor([[0.2, 0.3, 0.0, 0.5, 0.0]] * 5, dtype=torch.float64)  # [5, V]
+    u = torch.tensor([0.0, 0.19, 0.2, 0.5, 0.999999999], dtype=torch.float64)
+    assert sample_rows(probs, u).tolist() == [0, 0, 1, 3, 3]  # never a zero-probability token
+    assert sample_rows(probs * 7, u).tolist() == [0, 0, 1, 3, 3]  # any scale
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=4),
+                                    SamplingParams(temperature=1.2, top_p=0.8, min_p=0.02)])
+def test_next_tokens_follow_the_processed_distribution(params):
+    """4000 requests with one logits row each: one draw per request's generator, chi-square
+    against target_probs; greedy requests in the batch still get their argmax."""
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1)) * 2      # [1, V]
+    greedy = SamplingParams(temperature=0.0)
+    batch = [params] * 4000 + [greedy]
+    sampling = SamplingBatch.from_params(batch, [make_generator(i) for i in range(len(batch))])
+    tokens = next_tokens(logits.expand(len(batch), -1), sampling)
+    assert tokens[-1] == int(logits.argmax())
+    probs = target_probs(logits[None], SamplingBatch.from_params([params], [torch.Generator()]))[0, 0].double()
+    counts = np.bincount(tokens[:-1], minlength=12)
+    assert counts[(probs == 0).numpy()].sum() == 0, "a filtered token was drawn"
+    live = (probs > 0).numpy()
+    expected = probs.numpy()[live] / probs.numpy()[live].sum() * counts.sum()
+    assert chisquare(counts[live], expected).pvalue > 1e-3
