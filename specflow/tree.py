@@ -172,27 +172,6 @@ class DraftTree:
             self.max_depth = depth
         return self
 
-    def first_child_next_sibling(self) -> tuple[Tensor, Tensor]:
-        """``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1 for none), children in index order."""
-        b, n = self.parents.shape
-        first_child = [[-1] * n for _ in range(b)]  # filled as lists: one tensor at the end
-        next_sibling = [[-1] * n for _ in range(b)]
-        parents = self.parents.cpu().tolist()
-        valid = self.valid.cpu().tolist()
-        for r in range(b):
-            last_child: dict[int, int] = {}
-            for i in range(1, n):
-                if not valid[r][i]:
-                    continue
-                p = parents[r][i]
-                if p in last_child:
-                    next_sibling[r][last_child[p]] = i
-                else:
-                    first_child[r][p] = i
-                last_child[p] = i
-        return (torch.tensor(first_child, dtype=torch.long).view(b, n),
-                torch.tensor(next_sibling, dtype=torch.long).view(b, n))
-
     def path_to(self, b: int, node: int) -> list[int]:
         """Node indices from the root down to ``node`` in request b."""
         path = []

@@ -48,8 +48,7 @@ class RejectionVerifier:
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        p_draft = draft_token_probs(probs, tree)       # [B, N] p(x) at x's parent, on the host
-        host = HostTree.of(tree)
+        host = HostTree.of(tree, draft_token_probs(probs, tree))  # values: p(x) at x's parent
         b = tree.batch_size
         paths = [[0] for _ in range(b)]
         residuals: list[Residual | None] = [None] * b
@@ -59,8 +58,7 @@ class RejectionVerifier:
             rows = self._host_rows(probs, tree, dense, [paths[r][-1] for r in dense])
             still = []
             for r in active:
-                child, res = self._try_children(host, r, paths[r][-1], p_draft[r], rows.get(r),
-                                                sampling.generators[r])
+                child, res = self._try_children(host, r, paths[r][-1], rows.get(r), sampling.generators[r])
                 if child is None:
                     residuals[r] = res
                 else:
@@ -84,7 +82,7 @@ class RejectionVerifier:
         return dict(zip(reqs, np.stack([p_rows.double().numpy(), q_rows.double().numpy()], 1)))  # [R, 2, V]
 
     @staticmethod
-    def _try_children(host: HostTree, b: int, node: int, p_draft: list[float], pq: np.ndarray | None,
+    def _try_children(host: HostTree, b: int, node: int, pq: np.ndarray | None,
                       g: torch.Generator) -> tuple[int | None, Residual]:
         """Run the rule over the children of ``node``: the accepted child (or None) and the residual."""
         res = Residual(node)
@@ -112,7 +110,7 @@ class RejectionVerifier:
                 p = _normalised(p, pq[0])
             else:
                 # the same on the lazy residual: p(x) / rest unless x is already out
-                px = 0.0 if x in res.zeroed else p_draft[c]
+                px = 0.0 if x in res.zeroed else host.values[b][c]
                 if u * rest < px:
                     return c, res
                 if x not in res.zeroed:

@@ -48,8 +48,7 @@ class ThresholdVerifier:
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        p_draft = draft_token_probs(probs, tree)       # [B, N] p(x) at x's parent, on the host
-        host = HostTree.of(tree)
+        host = HostTree.of(tree, draft_token_probs(probs, tree))  # values: p(x) at x's parent
         paths, residuals = [], []
         for b in range(tree.batch_size):
             g = sampling.generators[b]
@@ -59,7 +58,7 @@ class ThresholdVerifier:
                 coin, prob_acc, accepted = uniform(g), 0.0, None
                 for c in host.children(b, node):
                     x = host.tokens[b][c]
-                    px = 0.0 if x in res.zeroed else p_draft[b][c]
+                    px = 0.0 if x in res.zeroed else host.values[b][c]
                     prob_acc += px
                     # '<' (not '<=') so a draft with p(x) = 0 never passes on a zero coin
                     if coin < prob_acc / self.threshold_acc or px >= self.threshold_single:

@@ -11,7 +11,7 @@ from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, target_probs
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, Residual, make_verdict, sample_bonus
+from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
 
 
 @dataclass
@@ -53,16 +53,13 @@ class TypicalVerifier:
         p = torch.softmax(logits / temp, dim=-1)                                   # [B, N, V]
         floor = torch.clamp(self.delta * torch.exp(-torch.special.entr(p).sum(-1)), max=self.epsilon)  # [B, N]
         parents = tree.parents.clamp(min=0)                                         # [B, N]
-        p_draft = p.reshape(b, n * v).gather(1, parents * v + tree.tokens)          # [B, N]
-        typical = p_draft > floor.gather(1, parents)
+        typical = draft_token_probs(p, tree) > floor.gather(1, parents)            # [B, N]
         is_argmax = tree.tokens == logits.argmax(-1).gather(1, parents)
-        passes = torch.where(greedy.view(b, 1), is_argmax, typical).cpu().tolist()  # [B, N]
-
-        host = HostTree.of(tree)
+        host = HostTree.of(tree, torch.where(greedy.view(b, 1), is_argmax, typical))  # values: [B, N] passes
         paths, residuals = [], []
         for r in range(b):
             node, path = 0, [0]
-            while (nxt := next((c for c in host.children(r, node) if passes[r][c]), None)) is not None:
+            while (nxt := next((c for c in host.children(r, node) if host.values[r][c]), None)) is not None:
                 node = nxt
                 path.append(node)
             paths.append(path)

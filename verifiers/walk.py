@@ -6,29 +6,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import sample_rows, uniforms
 from specflow.tree import DraftTree, Verdict
 
 
 @dataclass
 class HostTree:
-    """A DraftTree's small per-node arrays as Python lists (copied to the host once)."""
+    """A DraftTree's small per-node arrays as Python lists, with one [B, N] per-node value a
+    verifier computed beside it (all copied to the host at once)."""
 
     tokens: list[list[int]]
     sampled: list[list[bool]]
     first_child: list[list[int]]
     next_sibling: list[list[int]]
+    values: list[list]
     max_depth: int
 
     @staticmethod
-    def of(tree: DraftTree) -> "HostTree":
-        small = torch.stack([tree.tokens, tree.sampled.long(), tree.depth]).cpu()  # [3, B, N]
-        first_child, next_sibling = tree.first_child_next_sibling()
-        return HostTree(small[0].tolist(), small[1].bool().tolist(), first_child.tolist(),
-                        next_sibling.tolist(), int(small[2].max()) if small.numel() else 0)
+    def of(tree: DraftTree, values: Tensor) -> "HostTree":
+        """``tree`` and ``values`` [B, N] (e.g. ``draft_token_probs``) on the host, in one copy."""
+        tokens, sampled, parents, valid, values = (t.numpy() for t in to_host(
+            [tree.tokens, tree.sampled, tree.parents, tree.valid, values]))
+        first_child, next_sibling = first_child_next_sibling(parents, valid)
+        return HostTree(tokens.tolist(), sampled.tolist(), first_child.tolist(), next_sibling.tolist(),
+                        values.tolist(), tree.depth_bound())
 
     def children(self, b: int, node: int) -> Iterator[int]:
         """Valid children of ``node`` in request b, in index order."""
@@ -38,11 +44,26 @@ class HostTree:
             child = self.next_sibling[b][child]
 
 
-def draft_token_probs(probs: Tensor, tree: DraftTree) -> list[list[float]]:
-    """p(token of node i | path to its parent): ``probs[b, parents[b, i], tokens[b, i]]``, [B, N] on the host."""
+def first_child_next_sibling(parents: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[B, N] parents and valid -> ``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1
+    for none): a node's valid children in index order."""
+    n = parents.shape[1]
+    idx = np.arange(n)
+    child = valid & (idx >= 1)                                                   # [B, N] valid non-roots
+    # is_child[b, i, j]: j is a valid child of i; later[b, i, j]: j is a valid sibling of valid i after it
+    is_child = child[:, None, :] & (parents[:, None, :] == idx[None, :, None])   # [B, N, N]
+    later = (child[:, None, :] & child[:, :, None] & (parents[:, None, :] == parents[:, :, None])
+             & (idx[None, None, :] > idx[None, :, None]))                        # [B, N, N]
+    return (np.where(is_child.any(-1), is_child.argmax(-1), -1),                 # argmax: the first True
+            np.where(later.any(-1), later.argmax(-1), -1))
+
+
+def draft_token_probs(probs: Tensor, tree: DraftTree) -> Tensor:
+    """p(token of node i | path to its parent): ``probs[b, parents[b, i], tokens[b, i]]``, [B, N]
+    where probs lie."""
     b, n, v = probs.shape
-    flat = tree.parents.clamp(min=0) * v + tree.tokens  # [B, N] index into [N * V]
-    return probs.reshape(b, n * v).gather(1, flat).cpu().tolist()
+    parents, tokens = to_device([tree.parents, tree.tokens], probs.device)
+    return probs.reshape(b, n * v).gather(1, parents.clamp(min=0) * v + tokens)
 
 
 @dataclass
