@@ -159,19 +159,14 @@ def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(token, last)                                                  # [B]
 
 
-def uniforms(generators: list[torch.Generator], device: torch.device) -> Tensor:
-    """One U[0, 1) draw per request's generator, [B] float64 on ``device`` (moved without waiting)."""
-    u = torch.tensor([uniform(g) for g in generators], dtype=torch.float64)
-    return to_device([u], device)[0]
-
-
 def next_tokens(logits: Tensor, sampling: SamplingBatch) -> list[int]:
     """One token per row of [B, V] target logits: the argmax for greedy rows, else a draw from
     the processed distribution with the row's generator; only the tokens come back to the host."""
     if bool(sampling.greedy.all()):
         return logits.argmax(-1).tolist()
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
-    return sample_rows(probs, uniforms(sampling.generators, probs.device)).tolist()
+    u, = to_device([torch.tensor([uniform(g) for g in sampling.generators], dtype=torch.float64)], probs.device)
+    return sample_rows(probs, u).tolist()
 
 
 def uniform(generator: torch.Generator) -> float:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device, to_host
-from specflow.sampling import sample_rows, uniforms
+from specflow.sampling import sample_rows, uniform
 from specflow.tree import DraftTree, Verdict
 
 
@@ -84,19 +84,21 @@ def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torc
     come back to the host. A residual with no mass left (rounding, or every token zeroed)
     falls back to the node's full distribution.
     """
-    b, n, v = probs.shape
-    dev = probs.device
-    nodes = torch.tensor([r.node for r in residuals], device=dev)
-    rows = probs[torch.arange(b, device=dev), nodes].double()  # [B, V]
-    cut = [(i, t) for i, r in enumerate(residuals) for t in r.zeroed]
-    if cut:
-        bi, ti = torch.tensor(cut, device=dev).T
-        left = rows.index_put((bi, ti), rows.new_zeros(len(cut)))
-        rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)
+    b = probs.shape[0]
+    cut = torch.tensor([(i, t) for i, r in enumerate(residuals) for t in r.zeroed], dtype=torch.long).view(-1, 2)
     dense = [i for i, r in enumerate(residuals) if r.dense is not None]
+    host = [torch.tensor([r.node for r in residuals]), cut, torch.tensor(dense, dtype=torch.long),
+            torch.tensor([uniform(g) for g in generators], dtype=torch.float64)]
     if dense:
-        rows[dense] = torch.stack([residuals[i].dense for i in dense]).to(rows)
-    return sample_rows(rows, uniforms(generators, dev)).tolist()
+        host.append(torch.stack([residuals[i].dense for i in dense]).double())  # [R, V]
+    nodes, cut, dense, u, *dense_rows = to_device(host, probs.device)  # one copy, no wait
+    rows = probs[torch.arange(b, device=probs.device), nodes].double()   # [B, V]
+    if len(cut):
+        left = rows.index_put((cut[:, 0], cut[:, 1]), rows.new_zeros(len(cut)))
+        rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)
+    if dense_rows:
+        rows = rows.index_copy(0, dense, dense_rows[0])
+    return sample_rows(rows, u).tolist()
 
 
 def make_verdict(paths: list[list[int]], bonus: list[int], max_depth: int) -> Verdict:
