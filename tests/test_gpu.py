@@ -129,3 +129,17 @@ def test_a_greedy_eagle2_step_waits_for_the_gpu_once(plain):
                         tokenizer=target.tokenizer, backend=backend)
     waits = sync_points(engine, target.encode(PROMPTS[0]), torch.device("cuda"), max_tokens_per_step=5)
     assert waits["per_step"] <= 1, waits["sites"]
+
+
+@pytest.mark.parametrize("verifier", ["rejection", "typical", "threshold"])
+def test_a_sampled_eagle2_step_waits_for_the_gpu_twice(plain, verifier):
+    """A sampled walk over a beam's top-k tree waits twice per step: once for the tree and its
+    per-node values (the walk runs on the host), once for the bonus tokens; nothing per depth."""
+    from specflow.bench.gpu import sync_points
+
+    backend, target, _ = plain
+    engine = SpecEngine(target.model, DRAFTERS["eagle"], TREES["eagle2"], {"type": verifier},
+                        tokenizer=target.tokenizer, backend=backend)
+    waits = sync_points(engine, target.encode(PROMPTS[0]), torch.device("cuda"), max_tokens_per_step=5,
+                        temperature=0.8)
+    assert waits["per_step"] <= 2, waits["sites"]

@@ -77,12 +77,12 @@ class Residual:
     dense: Tensor | None = None
 
 
-def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torch.Generator]) -> list[int]:
-    """One bonus token per request from its renormalised residual.
+def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torch.Generator]) -> Tensor:
+    """One bonus token per request from its renormalised residual, [B] where probs lie (the
+    engine brings them back with the rest of the verdict: no wait here).
 
-    Every row is sampled at once (``sample_rows``) with one uniform per request; only the tokens
-    come back to the host. A residual with no mass left (rounding, or every token zeroed)
-    falls back to the node's full distribution.
+    Every row is sampled at once (``sample_rows``) with one uniform per request. A residual
+    with no mass left (rounding, or every token zeroed) falls back to the node's full distribution.
     """
     b = probs.shape[0]
     cut = torch.tensor([(i, t) for i, r in enumerate(residuals) for t in r.zeroed], dtype=torch.long).view(-1, 2)
@@ -98,15 +98,15 @@ def sample_bonus(probs: Tensor, residuals: list[Residual], generators: list[torc
         rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)
     if dense_rows:
         rows = rows.index_copy(0, dense, dense_rows[0])
-    return sample_rows(rows, u).tolist()
+    return sample_rows(rows, u)
 
 
-def make_verdict(paths: list[list[int]], bonus: list[int], max_depth: int) -> Verdict:
-    """Accepted node paths (root first) and bonus tokens -> Verdict with accepted [B, max_depth + 1],
-    on the host (where the walk ran and the engine reads it)."""
+def make_verdict(paths: list[list[int]], bonus: Tensor, max_depth: int) -> Verdict:
+    """Accepted node paths (root first) and bonus tokens [B] -> Verdict with accepted
+    [B, max_depth + 1] on the host (where the walk ran) and the bonus tokens where they are."""
     padded = [p + [-1] * (max_depth + 1 - len(p)) for p in paths]
     return Verdict(
         accepted=torch.tensor(padded, dtype=torch.long),
         accept_len=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
-        bonus_tokens=torch.tensor(bonus, dtype=torch.long),
+        bonus_tokens=bonus,
     )

@@ -157,14 +157,15 @@ def profile_steps(engine: SpecEngine, prompt: list[int], device: torch.device, p
 
 
 def sync_points(engine: SpecEngine, prompt: list[int], device: torch.device, steps: int = 5,
-                max_tokens_per_step: int = 1) -> dict | None:
+                max_tokens_per_step: int = 1, temperature: float = 0.0) -> dict | None:
     """Where ``engine.step()`` makes the host wait for the GPU (CUDA's sync debug mode, which
     flags blocking copies, ``.item()``, ``.tolist()`` and the like) over ``steps`` steps of one
-    running request after warm-up: ``per_step`` and the count per calling ``file:line``.
-    None off CUDA."""
+    running request (sampled at ``temperature``) after warm-up: ``per_step`` and the count per
+    calling ``file:line``. None off CUDA."""
     if device.type != "cuda":
         return None
-    params = SamplingParams(temperature=0.0, max_tokens=(steps + 4) * max_tokens_per_step, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=(steps + 4) * max_tokens_per_step,
+                            ignore_eos=True, seed=0)
     rid = engine.add_request(prompt, params)
     for _ in range(3):  # prefill, then warm-up steps (graph capture)
         engine.step()
