@@ -108,10 +108,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     """[B, N, V] logits -> [B, N, V] float32 probabilities after temperature, top-k, top-p, min-p.
 
-    Greedy rows (temperature 0) become one-hot at the argmax, so every acceptance rule reduces
-    to "accept iff the draft equals the argmax" for them. The filters sort only what they read:
-    nothing when no sampled row filters, the top max(top_k) tokens when every sampled row has a
-    top-k, else the whole vocabulary.
+    top-k keeps every token at least as likely as the k-th most likely (ties included), top-p
+    the smallest prefix of the sorted distribution that reaches top_p, min-p the tokens at least
+    min_p x the top one; the top token always survives. Only top-p sorts, and only when a
+    sampled row uses it. Greedy rows (temperature 0) become one-hot at the argmax, so every
+    acceptance rule reduces to "accept iff the draft equals the argmax" for them.
     """
     logits = logits.float()
     b, n, v = logits.shape
@@ -122,30 +123,25 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         [sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], logits.device))
     probs = torch.softmax(logits / temp.clamp(min=1e-5), dim=-1)
     k = sampling.top_k[sampled]
-    if bool((k > 0).any() or (sampling.top_p[sampled] < 1).any() or (sampling.min_p[sampled] > 0).any()):
-        candidates = min(int(k.max()), v) if bool((k > 0).all()) else v
-        probs = _filtered(probs, candidates, top_k, top_p, min_p)
+    if bool((k > 0).any()):
+        top = probs.topk(min(int(k.max()), v)).values                                # [B, N, max k]
+        kth = top.gather(-1, (top_k.clamp(1, top.shape[-1]) - 1).expand(b, n, 1))   # [B, N, 1]
+        probs = probs.masked_fill((top_k > 0) & (probs < kth), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool((sampling.top_p[sampled] < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)                        # [B, N, V]
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of the tokens sorted before
+        cut = (mass_before >= top_p) & (top_p < 1)    # top_p 1: cumsum rounding cuts nothing
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(cut, 0.0))
+    if bool((sampling.min_p[sampled] > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
     return torch.where(greedy, _one_hot(logits), probs) if not bool(sampled.all()) else probs
 
 
 def _one_hot(logits: Tensor) -> Tensor:
     """[..., V] logits -> float32 one-hot at the argmax."""
     return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-
-
-def _filtered(probs: Tensor, candidates: int, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """top-k, top-p and min-p of [B, N, V] probs over each row's ``candidates`` most likely tokens
-    (the rest are beyond every row's top-k); the top token always survives."""
-    v = probs.shape[-1]
-    sorted_p, order = probs.topk(candidates) if candidates < v else probs.sort(dim=-1, descending=True)  # [B, N, C]
-    rank = torch.arange(candidates, device=probs.device).view(1, 1, candidates)
-    sorted_p = sorted_p.masked_fill((top_k > 0) & (rank >= top_k), 0.0)
-    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly better tokens
-    sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)  # top_p 1: cumsum rounding cuts nothing
-    sorted_p = sorted_p.masked_fill(sorted_p < min_p * sorted_p[..., :1], 0.0)
-    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
 def sample_rows(probs: Tensor, u: Tensor) -> Tensor:

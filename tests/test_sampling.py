@@ -11,15 +11,16 @@ from specflow.sampling import SamplingBatch, SamplingParams, make_generator, nex
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """One row [V] processed the textbook way, in float64: temperature, keep the top_k most likely,
-    keep the smallest prefix whose mass reaches top_p, drop tokens under min_p x the top one."""
+    """One row [V] processed the textbook way, in float64: temperature, keep the tokens at least
+    as likely as the top_k-th, keep the smallest prefix whose mass reaches top_p, drop tokens
+    under min_p x the top one."""
     if p.temperature == 0:
         return np.eye(len(logits))[logits.argmax()]
     x = np.exp((logits - logits.max()) / p.temperature)
     order = np.argsort(-x, kind="stable")
     kept = x[order] / x.sum()
     if p.top_k > 0:
-        kept[p.top_k:] = 0.0
+        kept[kept < kept[min(p.top_k, len(kept)) - 1]] = 0.0
     kept /= kept.sum()
     before = np.cumsum(kept) - kept
     if p.top_p < 1:
@@ -28,6 +29,21 @@ def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     out = np.zeros_like(kept)
     out[order] = kept / kept.sum()
     return out
+
+
+def test_top_k_keeps_ties_whatever_the_batch():
+    """Tokens tied with the k-th are all kept, alone or beside rows that sort (a row's
+    distribution never depends on its batch); greedy rows take the first of tied maxima."""
+    logits = torch.tensor([3.0, 1, 1, 1, 1, 0.5, 1, 1])
+    top3 = SamplingParams(temperature=1.0, top_k=3)
+    for others in ([], [SamplingParams(temperature=1.0, top_p=0.9)], [SamplingParams(temperature=0.0)]):
+        batch = [top3] + others
+        probs = target_probs(logits.expand(len(batch), 1, -1), SamplingBatch.from_params(batch, [None] * len(batch)))
+        assert (probs[0, 0] > 0).tolist() == [True, True, True, True, True, False, True, True]
+        np.testing.assert_allclose(probs[0, 0].numpy(), reference_probs(logits.double().numpy(), top3), atol=1e-6)
+    tied = torch.tensor([0.0, 2.0, 2.0, 1.0]).expand(2, 1, -1)
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    assert target_probs(tied, SamplingBatch.from_params(mixed, [None] * 2))[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 row_params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
@@ -57,6 +73,7 @@ def test_sample_rows_inverts_the_cdf():
     u = torch.tensor([0.0, 0.19, 0.2, 0.5, 0.999999999], dtype=torch.float64)
     assert sample_rows(probs, u).tolist() == [0, 0, 1, 3, 3]  # never a zero-probability token
     assert sample_rows(probs * 7, u).tolist() == [0, 0, 1, 3, 3]  # any scale
+    assert sample_rows(torch.zeros(1, 5, dtype=torch.float64), u[-1:]).tolist() == [0]  # no mass: token 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=4),

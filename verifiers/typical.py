@@ -48,13 +48,13 @@ class TypicalVerifier:
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         logits = target_logits.float()
         b, n, v = logits.shape
-        temp, greedy = to_device([sampling.temperature, sampling.greedy], logits.device)
+        temp, greedy, parents, tokens = to_device(  # (one copy)
+            [sampling.temperature, sampling.greedy, tree.parents.clamp(min=0), tree.tokens], logits.device)
         temp = temp.clamp(min=1e-5).view(b, 1, 1)
         p = torch.softmax(logits / temp, dim=-1)                                   # [B, N, V]
         floor = torch.clamp(self.delta * torch.exp(-torch.special.entr(p).sum(-1)), max=self.epsilon)  # [B, N]
-        parents = tree.parents.clamp(min=0)                                         # [B, N]
         typical = draft_token_probs(p, tree) > floor.gather(1, parents)            # [B, N]
-        is_argmax = tree.tokens == logits.argmax(-1).gather(1, parents)
+        is_argmax = tokens == logits.argmax(-1).gather(1, parents)
         host = HostTree.of(tree, torch.where(greedy.view(b, 1), is_argmax, typical))  # values: [B, N] passes
         paths, residuals = [], []
         for r in range(b):
