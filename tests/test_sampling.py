@@ -59,8 +59,8 @@ row_params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.
 @example(params=[SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0)], n=2, seed=0)
 @example(params=[SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.9)], n=2, seed=0)
 def test_target_probs_match_the_reference(params, n, seed):
-    """Every mix of greedy rows and filters: no filter (no sort), top-k on every sampled row (top
-    max(top_k) only) and the full sort give the textbook distribution."""
+    """Every mix of greedy rows and filters (none, each alone, together; only top-p sorts) gives
+    the textbook distribution."""
     logits = torch.randn(len(params), n, 30, generator=torch.Generator().manual_seed(seed)) * 3  # [B, N, V]
     sampling = SamplingBatch.from_params(params, [torch.Generator() for _ in params])
     got = target_probs(logits, sampling)
