@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.pipeline import EngineConfig, Pipeline
 from specflow.protocols import TargetFeatures
-from specflow.request import Request, RequestOutput
+from specflow.request import Request, RequestOutput, Status
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
-from specflow.runtime.transfer import to_device, to_host
+from specflow.runtime.transfer import HostCopy, to_device, to_host
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
@@ -46,11 +48,24 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+@dataclass
+class InFlight:
+    """A plain decoding step whose tokens the host has not read yet."""
+
+    batch: list[Request]
+    rows: dict[int, int]     # request id -> its row
+    tokens: Tensor           # [B] int64 on the device: the roots of the next step
+    landing: HostCopy        # the same tokens on their way to the host
+    logits: Tensor           # [B, V] the target's logits (logprobs)
+    launched: float          # perf_counter at the launch (StepRecord timings)
+
+
 class SpecEngine:
     """Speculative decoding over a target model with continuous batching.
 
     ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
-    speedup). Component nodes are ``{"type": name, **params}`` mappings (see ``specflow list``).
+    speedup), one step ahead of the host (``_decode``). Component nodes are
+    ``{"type": name, **params}`` mappings (see ``specflow list``).
     """
 
     def __init__(self, target: str | Path | LlamaForCausalLM, drafter: Any = None, tree: Any = None,
@@ -97,6 +112,7 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
+        self._in_flight: InFlight | None = None  # plain decoding: the step launched, not yet landed
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -203,8 +219,11 @@ class SpecEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: prefill newly admitted requests, then one speculative step over the
-        running batch. Returns the outputs of requests that finished in it."""
+        running batch. Returns the outputs of requests that finished in it (plain decoding: whose
+        last tokens landed in it, one step after their forward)."""
         finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
+        if self.drafter is None:
+            return finished + self._decode()
         while self.scheduler.running:
             batch = list(self.scheduler.running)
             roots = self._roots(batch)
@@ -291,7 +310,7 @@ class SpecEngine:
         sampling = self._sampling(batch)
         if tree.num_nodes > 1:
             return self.verifier.verify(tree, self._tree_logits(tree, out), sampling)
-        bonus = torch.tensor(next_tokens(out.logits, sampling))
+        bonus = next_tokens(out.logits, sampling)
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
@@ -366,7 +385,7 @@ class SpecEngine:
             self.scheduler.requeue(reqs)
             return []
         sampling = self._sampling(reqs)
-        first = next_tokens(out.logits, sampling)
+        first = next_tokens(out.logits, sampling).tolist()
         finished, live = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
@@ -384,6 +403,74 @@ class SpecEngine:
                 [req for _, req, _ in live],
                 [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
                 out, [n + 1 for _, _, n in live]))
+        return finished
+
+    # ----------------------------------------------------------------------------------------
+    # plain decoding, one step ahead of the host
+
+    def _decode(self) -> list[RequestOutput]:
+        """One plain decoding step, overlapped as SGLang's scheduler does: launch step t + 1 from
+        step t's tokens while they are still on the device, then land step t's (append, stop
+        checks, outputs) while the GPU runs t + 1, so the host's work hides behind the kernels.
+        A request that step t finishes by a stop token or string has a row in t + 1 that is
+        dropped unread; one that reaches max_tokens is not launched again."""
+        finished = []
+        while True:
+            batch = [r for r in self.scheduler.running if len(r.output_ids) + self._ahead(r) < r.params.max_tokens]
+            try:
+                launched = self._launch(batch) if batch else None
+                break
+            except OutOfPages:  # land what is in flight first: it may finish requests and free pages
+                finished += self._land() if self._in_flight else self._preempt()
+        finished += self._land()
+        self._in_flight = launched
+        return finished
+
+    def _ahead(self, req: Request) -> int:
+        """Tokens of ``req`` in flight (0 or 1)."""
+        return int(self._in_flight is not None and req.id in self._in_flight.rows)
+
+    def _launch(self, batch: list[Request]) -> InFlight:
+        """Queue one target forward and sampling over ``batch``'s roots (the in-flight step's
+        tokens where it has one, else the sequence's last); nothing is read back."""
+        t0, ahead = time.perf_counter(), self._in_flight
+        rows = [ahead.rows.get(r.id, -1) if ahead else -1 for r in batch]
+        if ahead is not None and rows == list(range(len(ahead.batch))):  # the same batch as the last step
+            roots = ahead.tokens
+        else:  # in-flight tokens first, then the others' last tokens
+            carried = ahead.tokens if ahead is not None else torch.empty(0, dtype=torch.long, device=self.device)
+            fresh, where = [], []
+            for r, i in zip(batch, rows):
+                where.append(i if i >= 0 else len(carried) + len(fresh))
+                if i < 0:
+                    fresh.append(r.seq[-1])
+            where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.device)
+            roots = torch.cat([carried, fresh])[where]                                 # [B]
+        out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
+        tokens = next_tokens(out.logits, self._sampling(batch))                       # [B]
+        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens]), out.logits, t0)
+
+    def _land(self) -> list[RequestOutput]:
+        """Commit the in-flight step's tokens on the host (appends, stop checks, logprobs, step
+        records); requests finished or aborted since its launch are skipped."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        tokens, = flight.landing.wait()
+        timings = {"draft": 0.0, "verify": time.perf_counter() - flight.launched}  # launch to landing
+        finished = []
+        for b, (req, token) in enumerate(zip(flight.batch, tokens.tolist())):
+            if req.status is not Status.RUNNING:
+                continue
+            root = req.seq[-1]
+            req.accept_lengths.append(req.append([token]))
+            if req.logprobs is not None:
+                req.logprobs += token_logprobs(flight.logits[b:b + 1], [token], req.params.logprobs)
+            if self.record_steps:  # the one-node tree of DraftTree.root_only
+                tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
+                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings))
+            if req.finished:
+                finished.append(self._finish(req))
         return finished
 
     def _preempt(self) -> list[RequestOutput]:

@@ -155,14 +155,15 @@ def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(token, last)                                                  # [B]
 
 
-def next_tokens(logits: Tensor, sampling: SamplingBatch) -> list[int]:
-    """One token per row of [B, V] target logits: the argmax for greedy rows, else a draw from
-    the processed distribution with the row's generator; only the tokens come back to the host."""
+def next_tokens(logits: Tensor, sampling: SamplingBatch) -> Tensor:
+    """One token per row of [B, V] target logits, [B] int64 on their device: the argmax for
+    greedy rows, else a draw from the processed distribution with the row's generator. Nothing
+    is read back: the host does not wait."""
     if bool(sampling.greedy.all()):
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1)
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
     u, = to_device([torch.tensor([uniform(g) for g in sampling.generators], dtype=torch.float64)], probs.device)
-    return sample_rows(probs, u).tolist()
+    return sample_rows(probs, u)
 
 
 def uniform(generator: torch.Generator) -> float:

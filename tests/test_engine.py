@@ -200,3 +200,51 @@ def test_backend_choices(tiny_target):
     with pytest.raises(ValueError, match="backend: 'flash' is not one of torch, flashinfer, auto"):
         SpecEngine(tiny_target, device="cpu", backend="flash")
     assert type(SpecEngine(tiny_target, device="cpu").runner.attn).__name__ == "TorchBackend"  # auto on a CPU
+
+
+# ---- plain decoding runs one step ahead of the host (SpecEngine._decode) --------------------
+
+def test_decoding_ahead_wastes_a_row_only_after_a_stop(engine, monkeypatch):
+    """In one batch, a request stops on a stop token, one reaches max_tokens and one is aborted
+    while its step is in flight: the others' outputs equal their runs alone, the stopped request
+    costs one dropped row, and no request is launched past max_tokens."""
+    free = engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    stop = free[5]
+    stop_at = free.index(stop)
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS[1:]]
+    rows: dict[int, int] = {}
+    extend = engine.runner.extend
+
+    def counting(ids, tokens, **kw):
+        if isinstance(tokens, torch.Tensor):  # decode steps ([B, 1] roots); prefills pass lists
+            for r in ids:
+                rows[r] = rows.get(r, 0) + 1
+        return extend(ids, tokens, **kw)
+
+    monkeypatch.setattr(engine.runner, "extend", counting)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop]), GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), GREEDY]
+    stopped, full, short, aborted = [engine.add_request(p, sp) for p, sp in zip(PROMPTS + PROMPTS[1:2], params)]
+    outputs = {}
+    for i in range(30):
+        outputs.update({o.request_id: o for o in engine.step()})
+        if i == 3:
+            engine.abort(aborted)
+    assert not engine.has_unfinished() and aborted not in outputs
+    assert outputs[stopped].token_ids == free[: stop_at + 1] and outputs[stopped].finish_reason == "stop"
+    assert outputs[full].token_ids == alone[0] and outputs[short].token_ids == alone[1][:7]
+    # the first token of each comes from the prefill
+    assert rows[stopped] == stop_at + 1 and rows[full] == 23 and rows[short] == 6
+    assert engine.runner.cache.num_pages_used == 0
+
+
+def test_decoding_ahead_records_root_only_steps(tiny_target):
+    from specflow.tree import DraftTree, Roots
+
+    e = SpecEngine(tiny_target, device="cpu", dtype="float32", record_steps=True)
+    out = e.generate([PROMPTS[0]], GREEDY)[0]
+    assert [s.step for s in out.steps] == list(range(23)) and [s.bonus_token for s in out.steps] == out.token_ids[1:]
+    for s, root in zip(out.steps, out.token_ids):
+        tree = DraftTree.root_only(Roots([s.request_id], torch.tensor([root]), torch.tensor([0]), [[root]],
+                                         [torch.Generator()], torch.tensor([True])))
+        assert s.tree == tree.to_json(0) and s.accepted == [0] and s.timings["verify"] > 0

@@ -143,3 +143,23 @@ def test_a_sampled_eagle2_step_waits_for_the_gpu_twice(plain, verifier):
     waits = sync_points(engine, target.encode(PROMPTS[0]), torch.device("cuda"), max_tokens_per_step=5,
                         temperature=0.8)
     assert waits["per_step"] <= 2, waits["sites"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_plain_decoding_returns_before_the_gpu_is_done(plain, temperature):
+    """Plain decoding runs one step ahead of the host: a step queues the next forward and its
+    sampling, then lands the last step's tokens, with no wait for the work it queued. A GPU
+    sleep queued first holds that work back, and the step must return while it still runs."""
+    backend, target, _ = plain
+    engine = SpecEngine(target.model, tokenizer=target.tokenizer, backend=backend)
+    rid = engine.add_request(target.encode(PROMPTS[0]), SamplingParams(temperature=temperature, max_tokens=32,
+                                                                       ignore_eos=True, seed=0))
+    for _ in range(4):  # prefill, then steps that capture the decode graph
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)  # about half a second of GPU clock cycles ahead of the step's work
+    engine.step()
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    engine.abort(rid)
+    assert busy, "the step waited for the forward it queued"

@@ -85,7 +85,7 @@ def test_next_tokens_follow_the_processed_distribution(params):
     greedy = SamplingParams(temperature=0.0)
     batch = [params] * 4000 + [greedy]
     sampling = SamplingBatch.from_params(batch, [make_generator(i) for i in range(len(batch))])
-    tokens = next_tokens(logits.expand(len(batch), -1), sampling)
+    tokens = next_tokens(logits.expand(len(batch), -1), sampling).tolist()
     assert tokens[-1] == int(logits.argmax())
     probs = target_probs(logits[None], SamplingBatch.from_params([params], [torch.Generator()]))[0, 0].double()
     counts = np.bincount(tokens[:-1], minlength=12)

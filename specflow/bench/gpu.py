@@ -127,7 +127,8 @@ def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, devi
     ms = median_ms(engine.step, device, iters, warmup)
     out = engine.snapshot([rid])
     engine.abort(rid)
-    assert len(out[0].accept_lengths) > iters + warmup, "the request did not run every step (KV pool too small?)"
+    # (plain decoding lands a step's tokens in the next step)
+    assert len(out[0].accept_lengths) >= iters + warmup, "the request did not run every step (KV pool too small?)"
     return ms, tokens_per_step(out)
 
 

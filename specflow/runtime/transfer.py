@@ -4,7 +4,8 @@ A copy from pageable host memory with ``non_blocking=False`` makes the host wait
 GPU work queued before it, and a device-to-host copy always does; a step that moves ten small
 tensors one by one waits ten times. These helpers move a group of tensors as one buffer of
 bytes: ``to_device`` packs the host ones into one pinned buffer and copies it without waiting,
-``to_host`` packs the device ones on the device and copies them back once.
+``to_host`` packs the device ones on the device and copies them back once, and ``HostCopy``
+does the same into pinned memory without waiting, until its results are asked for.
 
 Bytes are packed largest element first, so every tensor starts at a multiple of its element
 size and unpacks as a view.
@@ -60,3 +61,27 @@ def to_host(tensors: Sequence[Tensor]) -> list[Tensor]:
         return [t.clone() for t in tensors]
     moved = iter(unpack(pack(on_device).cpu(), on_device))
     return [t.clone() if t.device.type == "cpu" else next(moved) for t in tensors]
+
+
+class HostCopy:
+    """Device tensors on their way to the host: one copy into pinned memory, queued without
+    waiting for the GPU; ``wait()`` returns the host tensors once it has run (host ones as they
+    are). What overlaps a step's host work with the GPU's: the host queues the next forward
+    before it waits for this one's results."""
+
+    def __init__(self, tensors: Sequence[Tensor]):
+        self.tensors = list(tensors)
+        self.on_device = [t for t in self.tensors if t.device.type != "cpu"]
+        self.staged = self.done = None
+        if self.on_device:
+            packed = pack(self.on_device)
+            self.staged = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+            self.staged.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> list[Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        moved = iter(unpack(self.staged, self.on_device) if self.on_device else [])
+        return [t if t.device.type == "cpu" else next(moved) for t in self.tensors]
