@@ -56,13 +56,16 @@ class TypicalVerifier:
         typical = draft_token_probs(p, tree) > floor.gather(1, parents)            # [B, N]
         is_argmax = tokens == logits.argmax(-1).gather(1, parents)
         host = HostTree.of(tree, torch.where(greedy.view(b, 1), is_argmax, typical))  # values: [B, N] passes
-        paths, residuals = [], []
+        paths, last = [], []  # accepted nodes, and the last of each
         for r in range(b):
             node, path = 0, [0]
             while (nxt := next((c for c in host.children(r, node) if host.values[r][c]), None)) is not None:
                 node = nxt
                 path.append(node)
             paths.append(path)
-            residuals.append(Residual(node))
-        bonus = sample_bonus(target_probs(logits, sampling), residuals, sampling.generators)
+            last.append(node)
+        # the bonus reads one row per request: process only those
+        last, = to_device([torch.tensor(last)], logits.device)
+        probs = target_probs(logits[torch.arange(b, device=logits.device), last][:, None], sampling)  # [B, 1, V]
+        bonus = sample_bonus(probs, [Residual(0)] * b, sampling.generators)
         return make_verdict(paths, bonus, host.max_depth)

@@ -58,3 +58,20 @@ def test_config_and_bad_parameters():
         TypicalVerifier(epsilon=0.0)
     with pytest.raises(ValueError, match="delta"):
         TypicalVerifier(delta=-1.0)
+
+
+def test_each_request_draws_its_bonus_at_its_own_last_node():
+    """Two requests stop at different depths; each bonus comes from its own last accepted node's
+    processed distribution (top-k 1 there: its argmax), not from another node's or request's."""
+    root = torch.tensor([2.0, 1.6, 1.0, -3.0])
+    after = torch.tensor([0.0, 0.0, 0.0, 9.0])
+    accepts = torch.stack([root] + [after] * 6)                                       # [7, 4]: stops at node 2
+    rejects = torch.stack([torch.tensor([-9.0, 9.0, -9.0, -9.0])] + [after] * 6)      # stops at the root
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=1)] * 2,
+                                         [make_generator(0), make_generator(1)])
+    tree = star_tree([3, 2, 0])
+    tree = DraftTree(*(torch.cat([x, x]) for x in (tree.tokens, tree.parents, tree.depth, tree.positions,
+                                                   tree.scores, tree.valid, tree.sampled))).with_mask()
+    verdict = TypicalVerifier().verify(tree, torch.stack([accepts, rejects]), sampling)
+    assert verdict.accepted.tolist() == [[0, 2, -1], [0, -1, -1]]
+    assert verdict.bonus_tokens.tolist() == [3, 1]
