@@ -19,7 +19,8 @@ from specflow.request import Request, RequestOutput, Status
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, token_logprobs
+from specflow.sampling import (SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs,
+                               token_logprobs)
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -55,8 +56,7 @@ class InFlight:
     batch: list[Request]
     rows: dict[int, int]     # request id -> its row
     tokens: Tensor           # [B] int64 on the device: the roots of the next step
-    landing: HostCopy        # the same tokens on their way to the host
-    logits: Tensor           # [B, V] the target's logits (logprobs)
+    landing: HostCopy        # the same tokens on their way to the host, with logprob_rows' if asked for
     launched: float          # perf_counter at the launch (StepRecord timings)
 
 
@@ -203,6 +203,12 @@ class SpecEngine:
         if bar is not None:
             bar.close()
         return [outputs[i] for i in ids]
+
+    def synchronize(self) -> None:
+        """Wait for the device work queued so far: plain decoding returns from ``step()`` with
+        the next forward still queued, so a timer reads its clock after this."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -421,10 +427,13 @@ class SpecEngine:
                 launched = self._launch(batch) if batch else None
                 break
             except OutOfPages:  # land what is in flight first: it may finish requests and free pages
-                finished += self._land() if self._in_flight else self._preempt()
-        finished += self._land()
-        self._in_flight = launched
-        return finished
+                if self._in_flight is None:
+                    finished += self._preempt()
+                else:
+                    flight, self._in_flight = self._in_flight, None
+                    finished += self._land(flight)
+        flight, self._in_flight = self._in_flight, launched
+        return finished + self._land(flight)
 
     def _ahead(self, req: Request) -> int:
         """Tokens of ``req`` in flight (0 or 1)."""
@@ -448,15 +457,16 @@ class SpecEngine:
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
         tokens = next_tokens(out.logits, self._sampling(batch))                       # [B]
-        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens]), out.logits, t0)
+        top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
+        logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
+        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)
 
-    def _land(self) -> list[RequestOutput]:
-        """Commit the in-flight step's tokens on the host (appends, stop checks, logprobs, step
-        records); requests finished or aborted since its launch are skipped."""
-        flight, self._in_flight = self._in_flight, None
+    def _land(self, flight: InFlight | None) -> list[RequestOutput]:
+        """Commit ``flight``'s tokens on the host (appends, stop checks, logprobs, step records);
+        requests finished or aborted since its launch are skipped."""
         if flight is None:
             return []
-        tokens, = flight.landing.wait()
+        tokens, *logprobs = flight.landing.wait()
         timings = {"draft": 0.0, "verify": time.perf_counter() - flight.launched}  # launch to landing
         finished = []
         for b, (req, token) in enumerate(zip(flight.batch, tokens.tolist())):
@@ -465,7 +475,7 @@ class SpecEngine:
             root = req.seq[-1]
             req.accept_lengths.append(req.append([token]))
             if req.logprobs is not None:
-                req.logprobs += token_logprobs(flight.logits[b:b + 1], [token], req.params.logprobs)
+                req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
             if self.record_steps:  # the one-node tree of DraftTree.root_only
                 tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
                 req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings))

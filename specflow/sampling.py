@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specflow.runtime.transfer import to_device
+from specflow.runtime.transfer import to_device, to_host
 
 
 @dataclass
@@ -171,12 +171,26 @@ def uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def token_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+def logprob_rows(logits: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
     """Log-probabilities of ``tokens`` [T] under the raw target distribution of each row of
     ``logits`` [T, V] (before temperature, top-k, top-p and min-p: the model's own numbers, the
-    same for greedy and sampled requests), with the ``top_n`` most likely tokens of each row."""
+    same for greedy and sampled requests), where the logits lie: ``[chosen [T], top logprobs
+    [T, n], their ids [T, n]]`` for the ``top_n`` most likely tokens of each row."""
     logp = torch.log_softmax(logits.float(), dim=-1)                                    # [T, V]
-    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]   # [T]
+    chosen = logp.gather(-1, tokens.view(-1, 1))[:, 0]                                  # [T]
     top_lp, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)                     # [T, n]
-    return [TokenLogprob(t, lp, list(zip(ids, lps)))
-            for t, lp, ids, lps in zip(tokens, chosen.tolist(), top_ids.tolist(), top_lp.tolist())]
+    return [chosen, top_lp, top_ids]
+
+
+def to_token_logprobs(tokens: list[int], rows: list[Tensor], top_n: int) -> list[TokenLogprob]:
+    """``logprob_rows``' tensors, on the host, as one TokenLogprob per token with its first
+    ``top_n`` alternatives."""
+    chosen, top_lp, top_ids = (r.tolist() for r in rows)
+    return [TokenLogprob(t, lp, list(zip(ids[:top_n], lps[:top_n])))
+            for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lp)]
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """``logprob_rows`` of ``tokens`` [T] under ``logits`` [T, V], brought to the host."""
+    device_tokens, = to_device([torch.tensor(tokens, dtype=torch.long)], logits.device)
+    return to_token_logprobs(tokens, to_host(logprob_rows(logits, device_tokens, top_n)), top_n)

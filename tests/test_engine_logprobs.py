@@ -70,3 +70,18 @@ def test_snapshot_shows_progress_between_steps(speculative):
     lengths = [len(s[0]) for s in seen[:-1]]
     assert lengths == sorted(lengths) and lengths[0] >= 1
     assert all(finished[0].token_ids[:len(s[0])] == s[0] for s in seen[:-1])
+
+
+def test_plain_decoding_batches_different_logprob_counts(plain):
+    """Plain decoding computes logprobs on the device for the batch's largest count: each
+    request keeps its own number of alternatives, equal to its run alone, and requests without
+    logprobs get none."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=n) for n in (None, 0, 3)]
+    together = plain.generate(PROMPTS, params)
+    alone = [plain.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    assert together[0].logprobs is None and [len(lp.top) for lp in together[2].logprobs] == [3] * 12
+    for x, y in zip(together[1:], alone[1:]):
+        assert x.token_ids == y.token_ids and [lp.token_id for lp in x.logprobs] == x.token_ids
+        assert [[t for t, _ in lp.top] for lp in x.logprobs] == [[t for t, _ in lp.top] for lp in y.logprobs]
+        torch.testing.assert_close(torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in x.logprobs]),
+                                   torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in y.logprobs]))

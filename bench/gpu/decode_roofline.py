@@ -117,7 +117,8 @@ def run(args) -> dict:
         "hf_static_vs_roofline": n / (hf_full - hf_first) / roofline,
         "prefill_plus_first_token_s": {"specflow": ours_first, "hf_static": hf_first},
         # what limits decode_tok_s (medians): the kernels (graph replay against the roofline's step),
-        # the runner's host work and LM head (runner forward - replay), the engine's (step - forward)
+        # the runner's host work and LM head (runner forward - replay), the engine's (step - forward,
+        # from an idle GPU: in a running decode the engine lands each step beside the next forward)
         "step_ms": {"roofline": 1e3 / roofline, "engine_step": step, **times,
                     "engine_outside_forward": step - times["runner_forward"]},
         "goal": f"decode_vs_roofline >= {GOAL}",

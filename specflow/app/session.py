@@ -216,6 +216,7 @@ class Lane:
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
+            self.engine.synchronize()  # plain decoding leaves its next forward queued: time it here
         except Exception as e:  # the UI must survive a component's bug; the console keeps the traceback
             log.exception("pipeline %s failed", self.name)
             self.close()

@@ -97,6 +97,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
         chunk = slice(start, start + batch_size)
         t0 = time.perf_counter()
         outs = engine.generate(texts[chunk], params[chunk])
+        engine.synchronize()  # (plain decoding may leave a forward queued)
         seconds = time.perf_counter() - t0
         for p, out in zip(prompts[chunk], outs):
             rows.append({"id": p.id, "category": p.category, "seconds": seconds,

@@ -120,7 +120,10 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
 
 def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, device: torch.device,
             max_tokens_per_step: int = 1) -> tuple[float, float]:
-    """(median ms of ``engine.step()`` on one running request, its mean tokens per step)."""
+    """(median ms of ``engine.step()`` on one running request, its mean tokens per step). Each
+    step starts on an idle GPU and ends when the work it queued has run: for plain decoding,
+    which lands the last step's tokens while its own forward runs, the launch, that forward
+    and whatever of the landing outlasts it."""
     params = SamplingParams(temperature=0.0, max_tokens=(iters + warmup + 4) * max_tokens_per_step, ignore_eos=True)
     rid = engine.add_request(prompt, params)
     engine.step()  # prefill (+ the first step)

@@ -78,7 +78,7 @@ class HostCopy:
             self.staged = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
             self.staged.copy_(packed, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(packed.device))  # the stream the copy runs on
 
     def wait(self) -> list[Tensor]:
         if self.done is not None:
