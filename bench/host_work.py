@@ -10,7 +10,9 @@ device work is timed and subtracted from the step: what a GPU replays from graph
 forward, and the EAGLE-2 beam's build after the root, builder ops included) and the lm_heads'
 logits. What is left is the engine's, builder's, drafter's, runner's, verifier's and attention
 planner's host work, which a GPU step adds to its kernels (the smaller ops it leaves, such as
-the verifier's argmax, are kernels on a GPU too). One thread, best of 3.
+the verifier's argmax, are kernels on a GPU too). One thread, best of 3. The ``_ops`` columns
+count the torch ops a step dispatches outside that device work: each is a kernel launch or a
+host op on a GPU, and unlike the times they do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 from spec_step import TREE, random_eagle_head  # noqa: E402
@@ -66,16 +69,29 @@ class DeviceTimer:
             setattr(owner, name, method)
 
 
+class HostOps(TorchDispatchMode):
+    """Counts the torch ops dispatched while ``timer`` is outside the device work it times."""
+
+    def __init__(self, timer: DeviceTimer):
+        super().__init__()
+        self.timer, self.count = timer, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not self.timer._depth
+        return func(*args, **(kwargs or {}))
+
+
 PROMPT_LEN = 16
 
 
 def max_new_tokens(steps: int) -> int:
-    """Tokens a request may commit in ``host_ms``: 4 + 3 x steps engine steps of at most depth + 1."""
-    return (4 + 3 * steps) * (TREE["depth"] + 1)
+    """Tokens a request may commit in ``host_work``: 4 + 4 x steps engine steps of at most depth + 1."""
+    return (4 + 4 * steps) * (TREE["depth"] + 1)
 
 
-def host_ms(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer) -> float:
-    """Best of 3: milliseconds per step outside the device work, ``batch`` requests running."""
+def host_work(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer) -> tuple[float, float]:
+    """``batch`` requests running: (best of 3 milliseconds per step outside the device work, torch
+    ops per step dispatched there)."""
     vocab = engine.runner.model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(steps), ignore_eos=True)
     rids = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,)).tolist(), params) for _ in range(batch)]
@@ -87,10 +103,13 @@ def host_ms(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer) -> f
         for _ in range(steps):
             engine.step()
         best = min(best, (time.perf_counter() - t0 - timer.seconds) / steps * 1e3)
+    with HostOps(timer) as ops:
+        for _ in range(steps):
+            engine.step()
     assert len(engine.scheduler.running) == batch, "a request finished or was preempted while timed"
     for rid in rids:
         engine.abort(rid)
-    return best
+    return best, ops.count / steps
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -109,10 +128,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
     spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
     device_work = [(model, name) for model in (type(target), type(drafter.head)) for name in ("forward", "compute_logits")]
+    rows = []
     with DeviceTimer(*device_work, (Beam, "_replay")) as timer:
-        rows = [{"batch_size": b, "decode_host_ms": host_ms(plain, b, args.steps, timer),
-                 "spec_host_ms": host_ms(spec, b, args.steps, timer)} for b in args.batch_sizes]
-    gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms"])
+        for b in args.batch_sizes:
+            (decode_ms, decode_ops), (spec_ms, spec_ops) = (host_work(e, b, args.steps, timer) for e in (plain, spec))
+            rows.append({"batch_size": b, "decode_host_ms": decode_ms, "spec_host_ms": spec_ms,
+                         "decode_ops": decode_ops, "spec_ops": spec_ops})
+    gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms", "decode_ops", "spec_ops"])
     return rows
 
 

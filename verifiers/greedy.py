@@ -37,16 +37,19 @@ class GreedyVerifier:
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
         argmax = target_logits.argmax(-1).to(tree.tokens.device)               # [B, N]
-        b, depth = tree.batch_size, tree.depth_bound()  # (a builder's bound: nothing read back)
-        node = torch.zeros(b, dtype=torch.long, device=argmax.device)          # [B] last accepted node
-        accepted = torch.full((b, depth + 1), -1, dtype=torch.long, device=argmax.device)
-        accepted[:, 0] = 0
-        alive = torch.ones(b, dtype=torch.bool, device=argmax.device)          # [B] still walking
-        for level in range(1, depth + 1):  # every request one depth down at once, no value read back
-            target = argmax.gather(1, node[:, None])                          # [B, 1] the target's next token
-            hit = tree.valid & (tree.parents == node[:, None]) & (tree.tokens == target)  # [B, N]
-            alive &= hit.any(1)
-            child = hit.int().argmax(1)                                        # [B] the first hit in index order
-            node = torch.where(alive, child, node)
-            accepted[:, level] = torch.where(alive, child, -1)
-        return Verdict(accepted, (accepted >= 0).sum(1) - 1, argmax.gather(1, node[:, None])[:, 0])
+        (b, n), depth = argmax.shape, tree.depth_bound()  # (a builder's bound: nothing read back)
+        idx = torch.arange(n, device=argmax.device)
+        parents = tree.parents.clamp(min=0)
+        # a node matches when it is a real draft of its parent's argmax; it is taken when no
+        # earlier sibling matches; the walk is every node whose ancestors (and itself) are taken
+        match = tree.valid & (idx > 0) & (tree.tokens == argmax.gather(1, parents))              # [B, N]
+        earlier = match[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx < idx[:, None])  # [B, N, N]
+        taken = (match & ~earlier.any(-1)) | (idx == 0)                                          # [B, N]
+        on_path = ~(tree.mask & ~taken[:, None, :]).any(-1)                                      # [B, N]
+        # at most one taken child under each node: the path has one node per depth
+        slot = torch.where(on_path, tree.depth, depth + 1)                                       # [B, N]
+        accepted = torch.full((b, depth + 2), -1, dtype=torch.long, device=argmax.device)
+        accepted = accepted.scatter_(1, slot, idx.expand(b, n))[:, : depth + 1]                  # [B, D + 1]
+        accept_len = on_path.sum(1) - 1                                                          # [B]
+        last = accepted.gather(1, accept_len[:, None])                                           # [B, 1]
+        return Verdict(accepted, accept_len, argmax.gather(1, last)[:, 0])
