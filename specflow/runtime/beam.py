@@ -139,7 +139,9 @@ class Beam:
 
         def load() -> None:  # this build's inputs into the static tensors (rows past them: padding)
             for static, x, fill in zip(statics, inputs, fills):
-                static.fill_(fill)[: len(x)].copy_(x)
+                static[: len(x)].copy_(x)
+                if len(x) < len(static):
+                    static[len(x):].fill_(fill)
 
         def body() -> tuple[Tensor, ...]:  # every pass starts at the first level, over the static tensors
             self.tokens, self.hidden, self.level = g.children, g.hidden, 0
