@@ -9,7 +9,7 @@ from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.sampling import SamplingBatch
-from specflow.tree import DraftTree, Verdict
+from specflow.tree import DraftTree, Verdict, ancestor_mask
 
 
 @dataclass
@@ -45,7 +45,8 @@ class GreedyVerifier:
         match = tree.valid & (idx > 0) & (tree.tokens == argmax.gather(1, parents))              # [B, N]
         earlier = match[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx < idx[:, None])  # [B, N, N]
         taken = (match & ~earlier.any(-1)) | (idx == 0)                                          # [B, N]
-        on_path = ~(tree.mask & ~taken[:, None, :]).any(-1)                                      # [B, N]
+        mask = tree.mask if tree.mask is not None else ancestor_mask(tree.parents, depth)       # [B, N, N]
+        on_path = ~(mask & ~taken[:, None, :]).any(-1)                                           # [B, N]
         # at most one taken child under each node: the path has one node per depth
         slot = torch.where(on_path, tree.depth, depth + 1)                                       # [B, N]
         accepted = torch.full((b, depth + 2), -1, dtype=torch.long, device=argmax.device)

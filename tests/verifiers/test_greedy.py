@@ -98,7 +98,7 @@ def test_greedy_verifier_follows_the_argmax_at_any_temperature():
     tree = DraftTree(tokens=torch.tensor([[0, 1, 2, 0]]), parents=torch.tensor([[-1, 0, 0, 1]]),
                      depth=torch.tensor([[0, 1, 1, 2]]), positions=torch.tensor([[3, 4, 4, 5]]),
                      scores=torch.ones(1, 4), valid=torch.ones(1, 4, dtype=torch.bool),
-                     sampled=torch.zeros(1, 4, dtype=torch.bool)).with_mask()
+                     sampled=torch.zeros(1, 4, dtype=torch.bool))  # no mask: the verifier builds it
     logits = torch.tensor([[[0.0, 1.0, 2.0], [3.0, 0.0, 0.0], [5.0, 0.0, 1.0], [0.0, 0.0, 0.0]]])
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.5)], [make_generator(0)])
     verdict = GreedyVerifier().verify(tree, logits, sampling)
