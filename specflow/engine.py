@@ -271,14 +271,14 @@ class SpecEngine:
 
     def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
         """The tree of every request; requests that do not speculate get the root only."""
-        plain = DraftTree.root_only(roots)
         on = self.drafter is not None and (self.spec_max_batch_size is None
                                            or len(batch) <= self.spec_max_batch_size)
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
-        if not rows:
-            return plain
         if len(rows) == len(batch):
             return self.tree_builder.build(self.drafter, roots)
+        plain = DraftTree.root_only(roots)
+        if not rows:
+            return plain
         return plain.pad_to(self.tree_builder.num_draft_tokens).place(
             rows, self.tree_builder.build(self.drafter, roots.select(rows)))
 

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from specflow.protocols import BeamDrafter, Drafter
+from specflow.protocols import Drafter
 from specflow.registry import TREE_BUILDERS
 from specflow.tree import DraftTree, Roots
 from trees.growth import GrowingTree
@@ -62,7 +62,8 @@ class Eagle2Builder:
         grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
         # EAGLE heads run the build themselves: the roots, then the levels on their device as
         # one CUDA graph, with no value read back before the tree
-        beam = drafter.beam(roots, k, self.depth - 1) if self.depth > 1 and isinstance(drafter, BeamDrafter) else None
+        # (a BeamDrafter: checked by attribute, as isinstance on a protocol costs a check per member)
+        beam = drafter.beam(roots, k, self.depth - 1) if self.depth > 1 and hasattr(drafter, "beam") else None
         if beam is None:
             root = torch.zeros(b, 1, dtype=torch.long, device=roots.tokens.device)
             tokens, logprobs, sampled = grow.expand(drafter, root, k)   # [B, 1, k] the root's children
