@@ -62,8 +62,7 @@ class DraftModelDrafter:
         return self.runner.beam(roots, k, levels, self.runner.runner.model.compute_logits, self.vocab_size)
 
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        for rid, tokens in zip(features.request_ids, features.tokens):
-            self.runner.commit(rid, tokens.tolist())
+        self.runner.commit(features.request_ids, [t.tolist() for t in features.tokens])
 
     def release(self, request_ids: list[int]) -> None:
         self.runner.release(request_ids)

@@ -107,8 +107,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        for rid, tokens, f in zip(features.request_ids, features.tokens, self.projected(features)):
-            self.runner.commit(rid, tokens.tolist(), f)
+        self.runner.commit(features.request_ids, [t.tolist() for t in features.tokens], self.projected(features))
 
     def release(self, request_ids: list[int]) -> None:
         self.runner.release(request_ids)

@@ -371,23 +371,28 @@ class TreeDraftRunner:
         self.scratch.out_row[slots, entries] = start + np.arange(len(entries))
         self.scratch.epoch[slots] = self.epoch
 
-    def commit(self, request_id: int, tokens: list[int], features: Tensor | None = None) -> None:
-        """The request committed ``tokens``: the root, then the accepted drafts (with
-        ``features=True`` also their target features ``[len(tokens), F]``)."""
-        st = self._state(request_id)
-        keep = self.scratch.path(st.slot, tokens[: 1 if self.features else len(tokens)]) \
-            if self.scratch.size[st.slot] else []
-        if keep:
-            self.runner.commit([request_id], [st.committed], [keep])
-        st.committed += len(keep)
-        self.scratch.clear(st.slot)
-        if self.features:
-            assert features is not None and len(features) == len(tokens), "one target feature per token"
-            if keep:  # the root's entry stays; the next token reads the root's target feature
-                st.last_feature = features[0]
-            self.add_pending(request_id, tokens[len(keep):], features[len(keep):])
-        else:
-            self.add_pending(request_id, tokens[len(keep):])
+    def commit(self, request_ids: list[int], tokens: list[list[int]], features: list[Tensor] | None = None) -> None:
+        """Each request committed its ``tokens``: the root, then the accepted drafts (with
+        ``features=True`` also their target features ``[len(tokens), F]``). The kept scratch K/V
+        of the whole batch moves in one cache commit."""
+        states = [self._state(rid) for rid in request_ids]
+        keeps = [self.scratch.path(st.slot, t[: 1 if self.features else len(t)]) if self.scratch.size[st.slot] else []
+                 for st, t in zip(states, tokens)]
+        kept = [i for i, keep in enumerate(keeps) if keep]
+        if kept:
+            self.runner.commit([request_ids[i] for i in kept], [states[i].committed for i in kept],
+                               [keeps[i] for i in kept])
+        self.scratch.clear(np.array([st.slot for st in states], dtype=np.int64))
+        for i, (rid, st, keep, toks) in enumerate(zip(request_ids, states, keeps, tokens)):
+            st.committed += len(keep)
+            if self.features:
+                f = features[i]
+                assert len(f) == len(toks), "one target feature per token"
+                if keep:  # the root's entry stays; the next token reads the root's target feature
+                    st.last_feature = f[0]
+                self.add_pending(rid, toks[len(keep):], f[len(keep):])
+            else:
+                self.add_pending(rid, toks[len(keep):])
 
     def _state(self, request_id: int) -> _DraftState:
         st = self.states.get(request_id)
