@@ -271,8 +271,7 @@ class SpecEngine:
 
     def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
         """The tree of every request; requests that do not speculate get the root only."""
-        on = self.drafter is not None and (self.spec_max_batch_size is None
-                                           or len(batch) <= self.spec_max_batch_size)
+        on = self.spec_max_batch_size is None or len(batch) <= self.spec_max_batch_size
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
         if len(rows) == len(batch):
             return self.tree_builder.build(self.drafter, roots)
@@ -286,9 +285,7 @@ class SpecEngine:
         """One batched target pass over every tree: every node when CUDA graphs want one fixed
         shape, read where the tree lies (padding nodes' outputs are never read); eagerly, each
         request up to its last valid node."""
-        needs = self.drafter.needs if self.drafter else None
-        ids, n = [r.id for r in batch], tree.num_nodes
-        taps = needs.layer_taps if needs else ()
+        ids, n, taps = [r.id for r in batch], tree.num_nodes, self.drafter.needs.layer_taps
         if self.runner.graphs is not None or n == 1:  # no value of the tree comes back to the host
             masks = list(tree.mask) if n > 1 else None  # (1 node: causal)
             return self.runner.extend(ids, tree.tokens, positions=tree.positions, tree_masks=masks, taps=taps)
@@ -345,7 +342,7 @@ class SpecEngine:
                 finished.append(self._finish(req))
             else:
                 live.append((b, req, accepted))
-        if self.drafter is not None and live:
+        if live:
             rows = [b for b, _, _ in live]
             sub = Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
             self.drafter.commit(sub, self._features(
