@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device, to_host
@@ -144,15 +145,38 @@ def _one_hot(logits: Tensor) -> Tensor:
     return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
-    """One token per row of [B, V] probabilities (any positive scale) by inverse CDF with the
-    uniforms ``u`` [B] float64 (on probs' device): the first token whose cumulative mass passes
-    u x the row's mass. Greedy rows (one-hot) give their argmax."""
-    rows = probs.double()
-    cdf = rows.cumsum(-1)                                                              # [B, V]
-    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]  # first cdf > u * mass
-    last = torch.where(rows > 0, torch.arange(rows.shape[-1], device=rows.device), 0).amax(-1)  # rounding at the top end
-    return torch.minimum(token, last)                                                  # [B]
+def sample_rows(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
+    """One token per row of [..., V] probabilities (any positive scale) by inverse CDF with the
+    uniforms ``u`` [...] float64 (on probs' device): the first token whose cumulative mass passes
+    u x the row's mass, [...] int64. Greedy rows (one-hot) give their argmax; a row without
+    mass gives token 0.
+
+    The CDF is walked in float64 in two levels, the masses of ``block``-token blocks and then
+    the tokens of the block found, so no float64 copy of the rows is made (a tree's [B, N, V])."""
+    *lead, v = probs.shape
+    rows = probs.reshape(-1, v)                                                        # [R, V]
+    r = rows.shape[0]
+    blocks = F.pad(rows, (0, -v % block)).view(r, -1, block)                           # [R, nb, blk]
+    mass = blocks.sum(-1, dtype=torch.float64)                                         # [R, nb]
+    cdf = mass.cumsum(-1)                                                              # [R, nb]
+    target = u.reshape(r, 1) * cdf[:, -1:]                                             # [R, 1]
+    blk = torch.minimum(torch.searchsorted(cdf, target, right=True), _last_positive(mass))  # [R, 1] rounding at the top
+    inner = blocks[torch.arange(r, device=rows.device), blk[:, 0]].double()           # [R, blk]
+    before = cdf.gather(1, blk) - mass.gather(1, blk)                                  # [R, 1] mass of earlier blocks
+    token = torch.minimum(torch.searchsorted(inner.cumsum(-1), target - before, right=True), _last_positive(inner))
+    return (blk * block + token).view(lead)                                            # [...]
+
+
+def _last_positive(rows: Tensor) -> Tensor:
+    """[R, n] -> [R, 1] index of each row's last positive entry (0 when none)."""
+    return torch.where(rows > 0, torch.arange(rows.shape[-1], device=rows.device), 0).amax(-1, keepdim=True)
+
+
+def uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> Tensor:
+    """[B, n] float64 U[0, 1) draws, row b from request b's generator, on ``device`` (one copy,
+    no wait)."""
+    u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])  # [B, n]
+    return to_device([u], device)[0]
 
 
 def next_tokens(logits: Tensor, sampling: SamplingBatch) -> Tensor:
@@ -162,8 +186,7 @@ def next_tokens(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     if bool(sampling.greedy.all()):
         return logits.argmax(-1)
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
-    u, = to_device([torch.tensor([uniform(g) for g in sampling.generators], dtype=torch.float64)], probs.device)
-    return sample_rows(probs, u)
+    return sample_rows(probs, uniforms(sampling.generators, 1, probs.device)[:, 0])
 
 
 def uniform(generator: torch.Generator) -> float:

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device, to_host
-from specflow.sampling import SamplingBatch, target_probs, uniform
+from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniform, uniforms
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
+from verifiers.walk import HostTree, Residual, draft_token_probs, follow, make_verdict, sample_bonus
 
 
 @dataclass
@@ -36,8 +36,12 @@ class RejectionVerifier:
     this is Leviathan et al.; for sampled siblings, Sequoia's rule; for top-k siblings the
     point-mass residual is p with the rejected tokens removed.
 
-    The walk goes one depth at a time over all requests, so the p and q rows that sampled
-    children need come to the host in one copy per depth.
+    When every draft is a top-k pick (no ``draft_probs``) the rule is simpler than it reads:
+    trying point masses in order accepts child x exactly when a draw y ~ p at the node equals x
+    (the first such child), and the residual then left is the law of y given that no child
+    matched. So one target token is drawn at every node, on the device, and the walk follows
+    them (``walk.follow``) with nothing read back. Sampled drafts walk on the host, one depth
+    at a time over all requests: the p and q rows their children need come in one copy per depth.
     """
 
     lossless = True
@@ -47,7 +51,11 @@ class RejectionVerifier:
         return cls()
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
+        if bool(sampling.greedy.all()):  # p one-hot everywhere: every rule above takes the argmax
+            return follow(tree, target_logits.argmax(-1))
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
+        if tree.draft_probs is None:  # top-k picks only: a draw at every node, followed
+            return follow(tree, sample_rows(probs, uniforms(sampling.generators, tree.num_nodes, probs.device)))
         host = HostTree.of(tree, draft_token_probs(probs, tree))  # values: p(x) at x's parent
         b = tree.batch_size
         paths = [[0] for _ in range(b)]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from specflow.registry import VERIFIERS
-from specflow.sampling import SamplingBatch, target_probs, uniform
+from specflow.runtime.transfer import to_device
+from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
+from verifiers.walk import accept_path, draft_token_probs
 
 
 @dataclass
@@ -31,6 +33,9 @@ class ThresholdVerifier:
     both thresholds 1.0, child j is accepted exactly when u lands in its slice of p's mass
     after the rejected siblings: probability p(x_j), which is lossless. Lower thresholds accept
     more and bias the output toward the drafts.
+
+    Every node's coin and scan sum are computed at once and the walk runs on the device
+    (``walk.accept_path``): a coin drawn for a node off the path is never read.
     """
 
     def __init__(self, threshold_single: float = 1.0, threshold_acc: float = 1.0):
@@ -48,28 +53,23 @@ class ThresholdVerifier:
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        host = HostTree.of(tree, draft_token_probs(probs, tree))  # values: p(x) at x's parent
-        paths, residuals = [], []
-        for b in range(tree.batch_size):
-            g = sampling.generators[b]
-            node, path = 0, [0]
-            while True:
-                res = Residual(node)
-                coin, prob_acc, accepted = uniform(g), 0.0, None
-                for c in host.children(b, node):
-                    x = host.tokens[b][c]
-                    px = 0.0 if x in res.zeroed else host.values[b][c]
-                    prob_acc += px
-                    # '<' (not '<=') so a draft with p(x) = 0 never passes on a zero coin
-                    if coin < prob_acc / self.threshold_acc or px >= self.threshold_single:
-                        accepted = c
-                        break
-                    res.zeroed.append(x)
-                if accepted is None:
-                    break
-                node = accepted
-                path.append(node)
-            paths.append(path)
-            residuals.append(res)
-        bonus = sample_bonus(probs, residuals, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth)
+        (b, n, v), dev = probs.shape, probs.device
+        tokens, parents, valid = to_device([tree.tokens, tree.parents.clamp(min=0), tree.valid], dev)
+        idx = torch.arange(n, device=dev)
+        u = uniforms(sampling.generators, n + 1, dev)  # [B, N + 1]: a coin at every node, then the bonus's
+        # siblings[b, i, j]: j is a real child under i's parent, at or before i (i's scan so far)
+        siblings = (valid & (idx > 0))[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx <= idx[:, None])
+        repeat = (siblings & (tokens[:, None, :] == tokens[:, :, None]) & (idx < idx[:, None])).any(-1)  # [B, N]
+        px = draft_token_probs(probs, tree).double().masked_fill(repeat, 0.0)  # [B, N] p(x), 0 once zeroed
+        prob_acc = (siblings * px[:, None, :]).sum(-1)                        # [B, N] summed over the scan
+        # '<' (not '<=') so a draft with p(x) = 0 never passes on a zero coin
+        passes = (u.gather(1, parents) < prob_acc / self.threshold_acc) | (px >= self.threshold_single)
+        accepted, accept_len, last = accept_path(tree, passes)
+        # every child of the last node was rejected: the bonus comes from p without their tokens
+        last = last.to(dev)
+        rows = probs[torch.arange(b, device=dev), last]                       # [B, V]
+        kids = valid & (idx > 0) & (parents == last[:, None])                # [B, N]
+        cut = rows.new_zeros(b, v + 1).scatter_(1, torch.where(kids, tokens, v), 1.0)[:, :v] > 0  # [B, V]
+        left = rows.masked_fill(cut, 0.0)
+        rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)        # no mass left: p itself
+        return Verdict(accepted, accept_len, sample_rows(rows, u[:, n]))

@@ -9,9 +9,9 @@ from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
-from specflow.sampling import SamplingBatch, target_probs
+from specflow.sampling import SamplingBatch, next_tokens
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, Residual, draft_token_probs, make_verdict, sample_bonus
+from verifiers.walk import accept_path, draft_token_probs
 
 
 @dataclass
@@ -55,17 +55,7 @@ class TypicalVerifier:
         floor = torch.clamp(self.delta * torch.exp(-torch.special.entr(p).sum(-1)), max=self.epsilon)  # [B, N]
         typical = draft_token_probs(p, tree) > floor.gather(1, parents)            # [B, N]
         is_argmax = tokens == logits.argmax(-1).gather(1, parents)
-        host = HostTree.of(tree, torch.where(greedy.view(b, 1), is_argmax, typical))  # values: [B, N] passes
-        paths, last = [], []  # accepted nodes, and the last of each
-        for r in range(b):
-            node, path = 0, [0]
-            while (nxt := next((c for c in host.children(r, node) if host.values[r][c]), None)) is not None:
-                node = nxt
-                path.append(node)
-            paths.append(path)
-            last.append(node)
+        accepted, accept_len, last = accept_path(tree, torch.where(greedy.view(b, 1), is_argmax, typical))
         # the bonus reads one row per request: process only those
-        last, = to_device([torch.tensor(last)], logits.device)
-        probs = target_probs(logits[torch.arange(b, device=logits.device), last][:, None], sampling)  # [B, 1, V]
-        bonus = sample_bonus(probs, [Residual(0)] * b, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth)
+        last_logits = logits[torch.arange(b, device=logits.device), last.to(logits.device)]  # [B, V]
+        return Verdict(accepted, accept_len, next_tokens(last_logits, sampling))

@@ -1,5 +1,7 @@
-"""What every verifier's per-request tree walk shares: the tree on the host, the target probability
-of each draft token, the residual left at the last accepted node, and the Verdict."""
+"""What the verifiers' tree walks share: the walk on the device that takes the first passing child
+at each depth (every verifier but sampled rejection), and for the host walk of sampled drafts the
+tree on the host, the residual left at the last accepted node and the Verdict; the target
+probability of each draft token serves both."""
 
 from __future__ import annotations
 
@@ -12,7 +14,42 @@ from torch import Tensor
 
 from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import sample_rows, uniform
-from specflow.tree import DraftTree, Verdict
+from specflow.tree import DraftTree, Verdict, ancestor_mask
+
+
+def accept_path(tree: DraftTree, passes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk from the root that takes, at each depth, the first child (in index order) that
+    passes its test, until none does; vectorised over depth, nothing read back.
+
+    ``passes`` [B, N] bool: node i passes at its parent (ignored at the root and padding).
+    Returns ``accepted`` [B, D + 1] (root first, -1 padded), ``accept_len`` [B] and the last
+    accepted node ``last`` [B], where the tree lies (D: ``tree.depth_bound()``).
+    """
+    (b, n), depth = tree.tokens.shape, tree.depth_bound()
+    idx = torch.arange(n, device=tree.tokens.device)
+    parents = tree.parents.clamp(min=0)
+    # a node is taken when it passes and no earlier sibling does; the walk is every node whose
+    # ancestors (and itself) are taken
+    passes = passes & tree.valid & (idx > 0)                                                 # [B, N]
+    earlier = passes[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx < idx[:, None])  # [B, N, N]
+    taken = (passes & ~earlier.any(-1)) | (idx == 0)                                         # [B, N]
+    mask = tree.mask if tree.mask is not None else ancestor_mask(tree.parents, depth)       # [B, N, N]
+    on_path = ~(mask & ~taken[:, None, :]).any(-1)                                           # [B, N]
+    # at most one taken child under each node: the path has one node per depth
+    slot = torch.where(on_path, tree.depth, depth + 1)                                       # [B, N]
+    accepted = torch.full((b, depth + 2), -1, dtype=torch.long, device=idx.device)
+    accepted = accepted.scatter_(1, slot, idx.expand(b, n))[:, : depth + 1]                  # [B, D + 1]
+    accept_len = on_path.sum(1) - 1                                                          # [B]
+    return accepted, accept_len, accepted.gather(1, accept_len[:, None])[:, 0]
+
+
+def follow(tree: DraftTree, targets: Tensor) -> Verdict:
+    """The verdict when the target's token at every node is known, ``targets`` [B, N] (its
+    argmax, or a draw from it): accept a child iff its token is the target's at its parent; the
+    bonus is the target's token at the last accepted node."""
+    targets = targets.to(tree.tokens.device)
+    accepted, accept_len, last = accept_path(tree, tree.tokens == targets.gather(1, tree.parents.clamp(min=0)))
+    return Verdict(accepted, accept_len, targets.gather(1, last[:, None])[:, 0])
 
 
 @dataclass
