@@ -1,12 +1,18 @@
 """SGLang's thresholded verifier: lossless at 1.0 / 1.0 (chi-square on the first two committed
-tokens, as in test_rejection), and visibly lossy below; the same test must catch that."""
+tokens, as in test_rejection), and visibly lossy below; the same test must catch that. Its walk
+on the device equals SGLang's sequential scan given the same coins."""
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specflow.config import build_component
 from specflow.registry import VERIFIERS
-from specflow.sampling import SamplingParams
+from specflow.sampling import SamplingBatch, SamplingParams, make_generator, sample_rows, target_probs
+from specflow.tree import DraftTree
 from tests.verifiers.oracle import chi_square_pvalue, first_two_counts, first_two_probs, make_pair
+from tests.verifiers.test_greedy import VOCAB, random_trees
 from trees.static import StaticBuilder
 from verifiers.threshold import ThresholdVerifier
 
@@ -49,3 +55,50 @@ def test_lossless_only_at_one_and_one():
 def test_bad_thresholds(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ThresholdVerifier(**kwargs)
+
+
+def sequential_scan(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, single: float,
+                    acc: float) -> list[tuple[list[int], int]]:
+    """Reference: SGLang's scan, one request and one child at a time, with coin ``coins[b, node]``
+    at each visited node and ``coins[b, N]`` for the bonus: (accepted path, bonus) per request."""
+    out = []
+    for b in range(tree.batch_size):
+        node, path = 0, [0]
+        while True:
+            kids = [c for c in range(1, tree.num_nodes) if tree.valid[b, c] and tree.parents[b, c] == node]
+            prob_acc, zeroed, accepted = 0.0, set(), None
+            for c in kids:
+                x = int(tree.tokens[b, c])
+                px = 0.0 if x in zeroed else float(probs[b, node, x])
+                prob_acc += px
+                if float(coins[b, node]) < prob_acc / acc or px >= single:
+                    accepted = c
+                    break
+                zeroed.add(x)
+            if accepted is None:
+                break
+            node = accepted
+            path.append(node)
+        row = probs[b, node].clone()
+        row[list(zeroed)] = 0.0
+        row = row if row.sum() > 0 else probs[b, node]
+        out.append((path, int(sample_rows(row[None], coins[b, -1:])[0])))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=random_trees(), seed=st.integers(0, 2**16), single=st.sampled_from([1.0, 0.4]),
+       acc=st.sampled_from([1.0, 0.5]), temperature=st.sampled_from([1.0, 3.0]))
+def test_the_walk_is_the_sequential_scan(tree, seed, single, acc, temperature):
+    """Padding, duplicate sibling tokens (zeroed once rejected) and both thresholds; coins as
+    the verifier draws them: N + 1 per request from its generator."""
+    b, n = tree.tokens.shape
+    logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed))
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=temperature)] * b,
+                                         [make_generator(seed + r) for r in range(b)])
+    coins = torch.stack([torch.rand(n + 1, generator=make_generator(seed + r), dtype=torch.float64)
+                         for r in range(b)])
+    verdict = ThresholdVerifier(single, acc).verify(tree, logits, sampling)
+    for r, (path, bonus) in enumerate(sequential_scan(tree, target_probs(logits, sampling), coins, single, acc)):
+        assert verdict.accepted_nodes(r) == path
+        assert int(verdict.bonus_tokens[r]) == bonus
