@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device, to_host
@@ -151,25 +151,31 @@ def sample_rows(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     u x the row's mass, [...] int64. Greedy rows (one-hot) give their argmax; a row without
     mass gives token 0.
 
-    The CDF is walked in float64 in two levels, the masses of ``block``-token blocks and then
-    the tokens of the block found, so no float64 copy of the rows is made (a tree's [B, N, V])."""
+    The CDF is walked in float64 in two levels, the masses of blocks of tokens (the largest
+    divisor of V up to ``block``: 501 for Llama-3's 128256) and then the tokens of the block
+    found, so no float64 copy of the rows is made (a tree's [B, N, V])."""
     *lead, v = probs.shape
-    rows = probs.reshape(-1, v)                                                        # [R, V]
-    r = rows.shape[0]
-    blocks = F.pad(rows, (0, -v % block)).view(r, -1, block)                           # [R, nb, blk]
+    size = _block_size(v, block)
+    blocks = probs.reshape(-1, v // size, size)                                       # [R, nb, blk]
     mass = blocks.sum(-1, dtype=torch.float64)                                         # [R, nb]
     cdf = mass.cumsum(-1)                                                              # [R, nb]
-    target = u.reshape(r, 1) * cdf[:, -1:]                                             # [R, 1]
-    blk = torch.minimum(torch.searchsorted(cdf, target, right=True), _last_positive(mass))  # [R, 1] rounding at the top
-    inner = blocks[torch.arange(r, device=rows.device), blk[:, 0]].double()           # [R, blk]
+    target = u.reshape(-1, 1) * cdf[:, -1:]                                            # [R, 1]
+    blk = torch.minimum(torch.searchsorted(cdf, target, right=True), _at_total(cdf))   # [R, 1]
+    inner = blocks[torch.arange(len(blocks), device=blocks.device), blk[:, 0]].double().cumsum(-1)  # [R, blk]
     before = cdf.gather(1, blk) - mass.gather(1, blk)                                  # [R, 1] mass of earlier blocks
-    token = torch.minimum(torch.searchsorted(inner.cumsum(-1), target - before, right=True), _last_positive(inner))
-    return (blk * block + token).view(lead)                                            # [...]
+    token = torch.minimum(torch.searchsorted(inner, target - before, right=True), _at_total(inner))
+    return (blk * size + token).view(lead)                                             # [...]
 
 
-def _last_positive(rows: Tensor) -> Tensor:
-    """[R, n] -> [R, 1] index of each row's last positive entry (0 when none)."""
-    return torch.where(rows > 0, torch.arange(rows.shape[-1], device=rows.device), 0).amax(-1, keepdim=True)
+@functools.cache
+def _block_size(v: int, most: int) -> int:
+    return next(b for b in range(min(most, v), 0, -1) if v % b == 0)
+
+
+def _at_total(cdf: Tensor) -> Tensor:
+    """[R, n] cumulative masses -> [R, 1] the first index where each row reaches its total: an
+    entry with mass (0 for a row without), where rounding at the top end lands."""
+    return torch.searchsorted(cdf, cdf[:, -1:].contiguous())
 
 
 def uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> Tensor:

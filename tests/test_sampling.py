@@ -77,17 +77,18 @@ def test_sample_rows_inverts_the_cdf():
 
 
 @settings(max_examples=60, deadline=None)
-@given(weights=st.lists(st.lists(st.integers(0, 3), min_size=9, max_size=9), min_size=1, max_size=4),
-       grid=st.lists(st.integers(0, 63), min_size=4, max_size=4), block=st.sampled_from([1, 2, 4, 1024]))
+@given(weights=st.lists(st.lists(st.integers(0, 3), min_size=12, max_size=12), min_size=1, max_size=4),
+       grid=st.lists(st.integers(0, 63), min_size=4, max_size=4), block=st.sampled_from([1, 2, 5, 1024]))
 def test_sample_rows_by_blocks_is_the_flat_inverse_cdf(weights, grid, block):
-    """Block masses, then the tokens of one block, find what one float64 CDF over the row finds
-    (small integer weights and uniforms k / 64: exact arithmetic, boundaries included); all-zero
-    rows and all-zero blocks too. Leading dimensions come back as they went in."""
-    probs = torch.tensor(weights, dtype=torch.float32)                                 # [R, 9]
+    """Block masses, then the tokens of one block (of 1, 2, 4 or all 12 tokens), find what one
+    float64 CDF over the row finds (small integer weights and uniforms k / 64: exact arithmetic,
+    boundaries included); all-zero rows and all-zero blocks too. Leading dimensions come back
+    as they went in."""
+    probs = torch.tensor(weights, dtype=torch.float32)                                 # [R, 12]
     u = torch.tensor(grid[: len(weights)], dtype=torch.float64) / 64
     cdf = probs.double().cumsum(-1)
     flat = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    positive = torch.where(probs > 0, torch.arange(9), 0).amax(-1)
+    positive = torch.where(probs > 0, torch.arange(12), 0).amax(-1)
     assert sample_rows(probs, u, block=block).tolist() == torch.minimum(flat, positive).tolist()
     assert sample_rows(probs[:, None], u[:, None], block=block).shape == (len(weights), 1)
 
