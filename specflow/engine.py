@@ -19,8 +19,7 @@ from specflow.request import Request, RequestOutput, Status
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import (SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs,
-                               token_logprobs)
+from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -324,7 +323,7 @@ class SpecEngine:
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
         """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
         ``verdict`` is on the host and ``tokens`` are the tree's."""
-        finished, live = [], []
+        finished, live, logprobs = [], [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
@@ -333,15 +332,14 @@ class SpecEngine:
             kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
-                rows = [out.offsets[b] + node for node in accepted[:kept]]
-                req.logprobs += token_logprobs(out.logits[rows], new[:kept], req.params.logprobs)
+                logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
             if self.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), tree.to_json(b), accepted,
                                             new[-1], timings))
-            if req.finished:
-                finished.append(self._finish(req))
-            else:
+            if not req.finished:
                 live.append((b, req, accepted))
+        self._add_logprobs(out.logits, logprobs)
+        finished = [self._finish(req) for req in batch if req.finished]
         if live:
             rows = [b for b, _, _ in live]
             sub = Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
@@ -389,17 +387,16 @@ class SpecEngine:
             return []
         sampling = self._sampling(reqs)
         first = next_tokens(out.logits, sampling).tolist()
-        finished, live = [], []
+        live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
-                token = first[b]
-                req.append([token])
+                req.append([first[b]])
                 if req.logprobs is not None:
-                    req.logprobs += token_logprobs(out.logits[b:b + 1], [token], req.params.logprobs)
-            if req.finished:
-                finished.append(self._finish(req))
-            else:
+                    logprobs.append((req, [b], [first[b]]))
+            if not req.finished:
                 live.append((b, req, len(inputs[b])))
+        self._add_logprobs(out.logits, logprobs)
+        finished = [self._finish(req) for req in reqs if req.finished]
         if self.drafter is not None and live:
             self._drafting.update(req.id for _, req, _ in live)
             self.drafter.begin(self._features(
@@ -407,6 +404,22 @@ class SpecEngine:
                 [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
                 out, [n + 1 for _, _, n in live]))
         return finished
+
+    @staticmethod
+    def _add_logprobs(logits: Tensor, entries: list[tuple[Request, list[int], list[int]]]) -> None:
+        """Each entry (request, rows of ``logits``, the tokens committed there): the tokens'
+        logprobs appended to the request's, computed for the whole batch with one copy back."""
+        if not entries:
+            return
+        rows, tokens = ([i for e in entries for i in e[k]] for k in (1, 2))
+        rows, device_tokens = to_device([torch.tensor(rows), torch.tensor(tokens)], logits.device)
+        top_n = max(req.params.logprobs for req, _, _ in entries)
+        values = to_host(logprob_rows(logits[rows], device_tokens, top_n))          # [T], [T, n], [T, n]
+        start = 0
+        for req, _, tokens in entries:
+            end = start + len(tokens)
+            req.logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], req.params.logprobs)
+            start = end
 
     # ----------------------------------------------------------------------------------------
     # plain decoding, one step ahead of the host

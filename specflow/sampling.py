@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specflow.runtime.transfer import to_device, to_host
+from specflow.runtime.transfer import to_device
 
 
 @dataclass
@@ -217,9 +217,3 @@ def to_token_logprobs(tokens: list[int], rows: list[Tensor], top_n: int) -> list
     chosen, top_lp, top_ids = (r.tolist() for r in rows)
     return [TokenLogprob(t, lp, list(zip(ids[:top_n], lps[:top_n])))
             for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lp)]
-
-
-def token_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
-    """``logprob_rows`` of ``tokens`` [T] under ``logits`` [T, V], brought to the host."""
-    device_tokens, = to_device([torch.tensor(tokens, dtype=torch.long)], logits.device)
-    return to_token_logprobs(tokens, to_host(logprob_rows(logits, device_tokens, top_n)), top_n)

@@ -72,13 +72,15 @@ def test_snapshot_shows_progress_between_steps(speculative):
     assert all(finished[0].token_ids[:len(s[0])] == s[0] for s in seen[:-1])
 
 
-def test_plain_decoding_batches_different_logprob_counts(plain):
-    """Plain decoding computes logprobs on the device for the batch's largest count: each
-    request keeps its own number of alternatives, equal to its run alone, and requests without
-    logprobs get none."""
+@pytest.mark.parametrize("name", ["plain", "speculative"])
+def test_a_batch_with_different_logprob_counts(name, request):
+    """Logprobs are computed on the device for the batch's largest count, with one copy back
+    a step: each request keeps its own number of alternatives, equal to its run alone, and
+    requests without logprobs get none."""
+    engine = request.getfixturevalue(name)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=n) for n in (None, 0, 3)]
-    together = plain.generate(PROMPTS, params)
-    alone = [plain.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    together = engine.generate(PROMPTS, params)
+    alone = [engine.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
     assert together[0].logprobs is None and [len(lp.top) for lp in together[2].logprobs] == [3] * 12
     for x, y in zip(together[1:], alone[1:]):
         assert x.token_ids == y.token_ids and [lp.token_id for lp in x.logprobs] == x.token_ids
