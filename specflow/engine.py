@@ -325,6 +325,7 @@ class SpecEngine:
         ``verdict`` is on the host and ``tokens`` are the tree's."""
         finished, live, logprobs = [], [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
+        records = tree.to_json() if self.record_steps else None
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
@@ -334,7 +335,7 @@ class SpecEngine:
             if req.logprobs is not None:  # token i was committed at node accepted[i]
                 logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
             if self.record_steps:
-                req.steps.append(StepRecord(req.id, len(req.steps), tree.to_json(b), accepted,
+                req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
                                             new[-1], timings))
             if not req.finished:
                 live.append((b, req, accepted))

@@ -197,17 +197,12 @@ class DraftTree:
         if self.mask is not None:
             assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu())
 
-    def to_json(self, b: int) -> dict:
-        """Request b's tree as plain lists (for StepRecord), brought to the host in one copy."""
-        tokens, parents, depth, scores, valid = to_host(
-            [self.tokens[b], self.parents[b], self.depth[b], self.scores[b].float(), self.valid[b]])
-        return {
-            "tokens": tokens.tolist(),
-            "parents": parents.tolist(),
-            "depth": depth.tolist(),
-            "scores": [round(s, 6) for s in scores.tolist()],
-            "valid": valid.tolist(),
-        }
+    def to_json(self) -> list[dict]:
+        """Every request's tree as plain lists (for StepRecord), brought to the host in one copy."""
+        tokens, parents, depth, scores, valid = (t.tolist() for t in to_host(
+            [self.tokens, self.parents, self.depth, self.scores.float(), self.valid]))
+        return [{"tokens": tokens[b], "parents": parents[b], "depth": depth[b],
+                 "scores": [round(s, 6) for s in scores[b]], "valid": valid[b]} for b in range(self.batch_size)]
 
 
 def ancestor_mask(parents: Tensor, depth: int | None = None) -> Tensor:
