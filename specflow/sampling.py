@@ -195,11 +195,6 @@ def next_tokens(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     return sample_rows(probs, uniforms(sampling.generators, 1, probs.device)[:, 0])
 
 
-def uniform(generator: torch.Generator) -> float:
-    """One U[0, 1) draw from a request's generator."""
-    return float(torch.rand((), generator=generator))
-
-
 def logprob_rows(logits: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
     """Log-probabilities of ``tokens`` [T] under the raw target distribution of each row of
     ``logits`` [T, V] (before temperature, top-k, top-p and min-p: the model's own numbers, the

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from specflow.registry import VERIFIERS
-from specflow.runtime.transfer import to_device, to_host
-from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniform, uniforms
+from specflow.runtime.transfer import to_device
+from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import HostTree, Residual, draft_token_probs, follow, make_verdict, sample_bonus
+from verifiers.walk import follow
 
 
 @dataclass
@@ -39,9 +38,11 @@ class RejectionVerifier:
     When every draft is a top-k pick (no ``draft_probs``) the rule is simpler than it reads:
     trying point masses in order accepts child x exactly when a draw y ~ p at the node equals x
     (the first such child), and the residual then left is the law of y given that no child
-    matched. So one target token is drawn at every node, on the device, and the walk follows
-    them (``walk.follow``) with nothing read back. Sampled drafts walk on the host, one depth
-    at a time over all requests: the p and q rows their children need come in one copy per depth.
+    matched. So one target token is drawn at every node and the walk follows them
+    (``walk.follow``). With sampled drafts the rule runs as written, one child per request per
+    iteration (``_walk``). Both run on the device with nothing read back. Uniforms: one per
+    node from each request's generator (a child's coin, or a top-k node's draw) and one for the
+    bonus.
     """
 
     lossless = True
@@ -54,87 +55,65 @@ class RejectionVerifier:
         if bool(sampling.greedy.all()):  # p one-hot everywhere: every rule above takes the argmax
             return follow(tree, target_logits.argmax(-1))
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
+        u = uniforms(sampling.generators, tree.num_nodes + 1, probs.device)  # [B, N + 1]
         if tree.draft_probs is None:  # top-k picks only: a draw at every node, followed
-            return follow(tree, sample_rows(probs, uniforms(sampling.generators, tree.num_nodes, probs.device)))
-        host = HostTree.of(tree, draft_token_probs(probs, tree))  # values: p(x) at x's parent
-        b = tree.batch_size
-        paths = [[0] for _ in range(b)]
-        residuals: list[Residual | None] = [None] * b
-        active = list(range(b))
-        while active:
-            dense = [r for r in active if any(host.sampled[r][c] for c in host.children(r, paths[r][-1]))]
-            rows = self._host_rows(probs, tree, dense, [paths[r][-1] for r in dense])
-            still = []
-            for r in active:
-                child, res = self._try_children(host, r, paths[r][-1], rows.get(r), sampling.generators[r])
-                if child is None:
-                    residuals[r] = res
-                else:
-                    paths[r].append(child)
-                    still.append(r)
-            active = still
-        bonus = sample_bonus(probs, residuals, sampling.generators)
-        return make_verdict(paths, bonus, host.max_depth)
+            return follow(tree, sample_rows(probs, u[:, :-1]))
+        return self._walk(tree, probs, u)
 
     @staticmethod
-    def _host_rows(probs: Tensor, tree: DraftTree, reqs: list[int], nodes: list[int]) -> dict[int, np.ndarray]:
-        """{request: [2, V] float64 (p, q) at its node}, each row indexed where it lies and
-        brought to the host in one copy."""
-        if not reqs:
-            return {}
-        assert tree.draft_probs is not None, "sampled nodes need tree.draft_probs"
-        r, n = torch.tensor(reqs), torch.tensor(nodes)
-        p_r, p_n = to_device([r, n], probs.device)
-        q_r, q_n = to_device([r, n], tree.draft_probs.device)
-        p_rows, q_rows = to_host([probs[p_r, p_n], tree.draft_probs[q_r, q_n].to(probs.dtype)])  # [R, V] each
-        return dict(zip(reqs, np.stack([p_rows.double().numpy(), q_rows.double().numpy()], 1)))  # [R, 2, V]
-
-    @staticmethod
-    def _try_children(host: HostTree, b: int, node: int, pq: np.ndarray | None,
-                      g: torch.Generator) -> tuple[int | None, Residual]:
-        """Run the rule over the children of ``node``: the accepted child (or None) and the residual."""
-        res = Residual(node)
-        rest = 1.0          # lazy residual (point masses only): p without res.zeroed, over `rest`
-        p = q = None        # dense residual and q, once a sampled child is tried
-        for c in host.children(b, node):
-            x, u = host.tokens[b][c], uniform(g)
-            if host.sampled[b][c]:
-                if q is None:  # the processed p sums to 1 unless point masses were rejected
-                    p, q = pq[0].copy(), pq[1].copy()
-                    if res.zeroed:
-                        p[res.zeroed] = 0.0
-                        p = _normalised(p, pq[0])
-                # accept with prob min(1, p(x) / q(x)); '<' so that p(x) = 0 never passes
-                if u * q[x] < p[x]:
-                    return c, res
-                p = _normalised(np.maximum(p - q, 0.0), pq[0])
-                q[x] = 0.0  # drawn without replacement: x cannot come again
-                q = _normalised(q, q)
-            elif p is not None:
-                # point mass at x on the dense residual: accept with prob p(x), else p loses x
-                if u < p[x]:
-                    return c, res
-                p[x] = 0.0
-                p = _normalised(p, pq[0])
-            else:
-                # the same on the lazy residual: p(x) / rest unless x is already out
-                px = 0.0 if x in res.zeroed else host.values[b][c]
-                if u * rest < px:
-                    return c, res
-                if x not in res.zeroed:
-                    res.zeroed.append(x)
-                    rest -= px
-                    if rest <= 0.0:  # nothing left (rounding): fall back to p
-                        res.zeroed, rest = [], 1.0
-        if p is not None:
-            res.dense = torch.from_numpy(p)
-        return None, res
+    def _walk(tree: DraftTree, probs: Tensor, u: Tensor) -> Verdict:
+        """The rule over ``probs`` [B, N, V] with coin ``u[b, x]`` for child x and ``u[b, N]``
+        for the bonus. Each iteration every request tries one child: the first child of the
+        node it just accepted, or the next sibling of the child it just rejected. A child is
+        tried at most once, so N - 1 iterations finish every walk."""
+        (b, n, _), dev = probs.shape, probs.device
+        tokens, parents, valid, sampled, depth = to_device(
+            [tree.tokens, tree.parents, tree.valid, tree.sampled, tree.depth], dev)
+        draft = tree.draft_probs.to(dev)                                          # [B, N, V] q at each node
+        first_child, next_sibling = first_child_next_sibling(parents, valid)     # [B, N] each
+        rows = torch.arange(b, device=dev)
+        node = torch.zeros(b, dtype=torch.long, device=dev)                       # [B] last accepted node
+        child = first_child[:, 0]                                                 # [B] to try next, -1: done
+        p = full = probs[:, 0].double()                                           # [B, V] residual, and p itself
+        q = draft[:, 0].double()                                                  # [B, V]
+        path = torch.full((b, n + 1), -1, dtype=torch.long, device=dev)           # [B, N + 1] by depth; N: a sink
+        path[:, 0] = 0
+        for _ in range(n - 1):
+            c = child.clamp(min=0)
+            x, coin, drawn = tokens[rows, c], u[rows, c], sampled[rows, c]       # [B] each
+            px, qx = p[rows, x], q[rows, x]
+            # '<' so that p(x) = 0 never passes; a point mass has q_x(x) = 1
+            take = (child >= 0) & (coin * torch.where(drawn, qx, 1.0) < px)
+            drop = (child >= 0) & ~take
+            less = torch.where(drawn[:, None], (p - q).clamp(min=0.0), p.scatter(1, x[:, None], 0.0))
+            p = torch.where(drop[:, None], _normalised(less, full), p)
+            without = q.scatter(1, x[:, None], 0.0)  # drawn without replacement: x cannot come again
+            q = torch.where((drop & drawn)[:, None], _normalised(without, without), q)
+            full = torch.where(take[:, None], probs[rows, c].double(), full)     # on acceptance: x's own p, q
+            p = torch.where(take[:, None], full, p)
+            q = torch.where(take[:, None], draft[rows, c].double(), q)
+            path.scatter_(1, torch.where(take, depth[rows, c], n)[:, None], c[:, None])
+            node = torch.where(take, c, node)
+            child = torch.where(take, first_child[rows, c], torch.where(drop, next_sibling[rows, c], child))
+        accepted = path[:, : tree.depth_bound() + 1]
+        return Verdict(accepted, depth[rows, node], sample_rows(p, u[:, n]))
 
 
-def _normalised(x: np.ndarray, fallback: np.ndarray) -> np.ndarray:
-    """x / sum(x); when x has no mass left, ``fallback`` (normalised if it has mass)."""
-    total = x.sum()
-    if total > 0.0:
-        return x / total
-    total = fallback.sum()
-    return fallback / total if total > 0.0 else fallback
+def _normalised(x: Tensor, fallback: Tensor) -> Tensor:
+    """Rows of x [B, V] over their sums; a row without mass is ``fallback``'s."""
+    total = x.sum(-1, keepdim=True)
+    return torch.where(total > 0, x / total.clamp(min=1e-300), fallback)
+
+
+def first_child_next_sibling(parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, N] parents and valid -> ``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1
+    for none): a node's valid children in index order."""
+    n = parents.shape[1]
+    idx = torch.arange(n, device=parents.device)
+    child = valid & (idx >= 1)                                                   # [B, N] valid non-roots
+    # is_child[b, i, j]: j is a valid child of i; later[b, i, j]: j is a valid sibling of valid i after it
+    is_child = child[:, None, :] & (parents[:, None, :] == idx[None, :, None])   # [B, N, N]
+    later = (child[:, None, :] & child[:, :, None] & (parents[:, None, :] == parents[:, :, None])
+             & (idx[None, None, :] > idx[None, :, None]))                        # [B, N, N]
+    return (torch.where(is_child.any(-1), is_child.byte().argmax(-1), -1),       # argmax: the first True
+            torch.where(later.any(-1), later.byte().argmax(-1), -1))

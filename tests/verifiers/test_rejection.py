@@ -2,13 +2,18 @@
 
 Each case runs 20k requests through one speculative step (two when the first commits only the
 bonus) and compares the counts of the first two committed tokens, over a 5-token vocabulary,
-with p(x1) p(x2 | x1) by a chi-square test (fixed seeds)."""
+with p(x1) p(x2 | x1) by a chi-square test (fixed seeds). The walk on the device equals the rule
+applied one child at a time on the host, given the same coins."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator
+from specflow.sampling import SamplingBatch, SamplingParams, make_generator, sample_rows, target_probs
 from specflow.tree import DraftTree
+from tests.verifiers.test_greedy import VOCAB, random_trees
 from tests.verifiers.oracle import (OracleDrafter, PathOracle, chi_square_pvalue, first_two_counts,
                                    first_two_probs, make_pair, speculative_step)
 from trees.chain import ChainBuilder
@@ -62,3 +67,59 @@ def test_residual_without_mass_falls_back_to_the_target():
         assert verdict.accept_len.tolist() == [0]
         bonus.add(int(verdict.bonus_tokens[0]))
     assert bonus == {1, 2}
+
+
+def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray) -> list[tuple[list[int], int]]:
+    """Reference: the class docstring's rule, one request and one child at a time in float64,
+    with coin ``coins[b, x]`` for child x and ``coins[b, N]`` for the bonus: (path, bonus) each."""
+    def normalised(x, fallback):
+        return x / x.sum() if x.sum() > 0 else fallback
+
+    q_all = tree.draft_probs.double().numpy()
+    out = []
+    for b in range(tree.batch_size):
+        node, path = 0, [0]
+        p, q = probs[b, 0].copy(), q_all[b, 0].copy()
+        while True:
+            kids = [c for c in range(1, tree.num_nodes) if tree.valid[b, c] and tree.parents[b, c] == node]
+            for c in kids:
+                x, sampled = int(tree.tokens[b, c]), bool(tree.sampled[b, c])
+                if coins[b, c] * (q[x] if sampled else 1.0) < p[x]:
+                    break
+                if sampled:
+                    p = normalised(np.maximum(p - q, 0.0), probs[b, node])
+                    q[x] = 0.0
+                    q = normalised(q, q)
+                else:
+                    p[x] = 0.0
+                    p = normalised(p, probs[b, node])
+            else:
+                break
+            node = c
+            path.append(node)
+            p, q = probs[b, node].copy(), q_all[b, node].copy()
+        bonus = sample_rows(torch.from_numpy(p)[None], torch.tensor(coins[b, -1:]))
+        out.append((path, int(bonus[0])))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree=random_trees(), seed=st.integers(0, 2**16), top_k=st.sampled_from([-1, 2]),
+       temperature=st.sampled_from([1.0, 3.0]), all_sampled=st.booleans())
+def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all_sampled):
+    """Sampled and top-k siblings mixed (or all sampled: rejections that update q), duplicate
+    tokens, padding, residuals that run out of mass (top-k zeros); coins as the verifier draws
+    them: N + 1 per request."""
+    b, n = tree.tokens.shape
+    if all_sampled:
+        tree.sampled = tree.valid & (torch.arange(n) > 0)
+    logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    sampling = SamplingBatch.from_params([params] * b, [make_generator(seed + r) for r in range(b)])
+    coins = np.stack([torch.rand(n + 1, generator=make_generator(seed + r), dtype=torch.float64).numpy()
+                      for r in range(b)])
+    verdict = RejectionVerifier().verify(tree, logits, sampling)
+    for r, (path, bonus) in enumerate(rule_by_hand(tree, target_probs(logits, sampling).double().numpy(), coins)):
+        assert verdict.accepted_nodes(r) == path
+        assert int(verdict.accept_len[r]) == len(path) - 1
+        assert int(verdict.bonus_tokens[r]) == bonus

@@ -1,18 +1,19 @@
-"""The device walk against a walk one node at a time, and the host walk's tree links against a
-direct reading of ``parents``."""
+"""The walk over depth against a walk one node at a time, and the tree links of rejection's walk
+against a direct reading of ``parents``."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.verifiers.test_greedy import random_trees
-from verifiers.walk import accept_path, first_child_next_sibling
+from verifiers.rejection import first_child_next_sibling
+from verifiers.walk import accept_path
 
 
 @settings(max_examples=80, deadline=None)
 @given(tree=random_trees())
 def test_first_child_and_next_sibling_follow_index_order(tree):
-    first, after = first_child_next_sibling(tree.parents.numpy(), tree.valid.numpy())
+    first, after = first_child_next_sibling(tree.parents, tree.valid)
     for b in range(tree.batch_size):
         for i in range(tree.num_nodes):
             kids = [j for j in range(1, tree.num_nodes) if tree.valid[b, j] and tree.parents[b, j] == i]
