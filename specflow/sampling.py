@@ -152,8 +152,9 @@ def sample_rows(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     mass gives token 0.
 
     The CDF is walked in float64 in two levels, the masses of blocks of tokens (the largest
-    divisor of V up to ``block``: 501 for Llama-3's 128256) and then the tokens of the block
-    found, so no float64 copy of the rows is made (a tree's [B, N, V])."""
+    divisor of V up to ``block``: 1002 for Llama-3's 128256) and then the tokens of the block
+    found, so no float64 copy of the rows is made (a tree's [B, N, V]; a prime V has blocks of
+    one token and makes one)."""
     *lead, v = probs.shape
     size = _block_size(v, block)
     blocks = probs.reshape(-1, v // size, size)                                       # [R, nb, blk]
@@ -162,7 +163,7 @@ def sample_rows(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     target = u.reshape(-1, 1) * cdf[:, -1:]                                            # [R, 1]
     blk = torch.minimum(torch.searchsorted(cdf, target, right=True), _at_total(cdf))   # [R, 1]
     inner = blocks[torch.arange(len(blocks), device=blocks.device), blk[:, 0]].double().cumsum(-1)  # [R, blk]
-    before = cdf.gather(1, blk) - mass.gather(1, blk)                                  # [R, 1] mass of earlier blocks
+    before = torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)          # [R, 1] mass of earlier blocks (<= target)
     token = torch.minimum(torch.searchsorted(inner, target - before, right=True), _at_total(inner))
     return (blk * size + token).view(lead)                                             # [...]
 

@@ -111,11 +111,10 @@ class DraftTree:
         )
 
     def to(self, device: torch.device) -> "DraftTree":
-        """This tree on ``device``, its host tensors moved in one copy (specflow.runtime.transfer);
-        a host tree's ``max_depth`` is filled in on the way. ``draft_probs`` ([B, N, V]) stays
-        where it is: the sampled verifiers read a few of its rows on the host."""
-        names = [f.name for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), Tensor) and f.name != "draft_probs"]
+        """This tree on ``device``, its host tensors moved in one copy (specflow.runtime.transfer),
+        ``draft_probs`` too (a host drafter's q, [B, N, V]); a host tree's ``max_depth`` is filled
+        in on the way."""
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
         moved = to_device([getattr(self, name) for name in names], device)
         host = self.depth.device.type == "cpu"
         return dataclasses.replace(self, **dict(zip(names, moved)),

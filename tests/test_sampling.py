@@ -74,6 +74,10 @@ def test_sample_rows_inverts_the_cdf():
     assert sample_rows(probs, u).tolist() == [0, 0, 1, 3, 3]  # never a zero-probability token
     assert sample_rows(probs * 7, u).tolist() == [0, 0, 1, 3, 3]  # any scale
     assert sample_rows(torch.zeros(1, 5, dtype=torch.float64), u[-1:]).tolist() == [0]  # no mass: token 0
+    # u x mass lands on a block's lower edge up to rounding: the block's zero-probability first
+    # token must not come out (a block's start is the earlier blocks' running total, not cdf - mass)
+    edge = torch.tensor([[1.7891420e-10, 5.7997018e-05, 0.0, 0.19111027]])
+    assert sample_rows(edge, torch.tensor([0.0003033829756501216], dtype=torch.float64), block=2).tolist() == [3]
 
 
 @settings(max_examples=60, deadline=None)

@@ -67,16 +67,17 @@ class RejectionVerifier:
         node it just accepted, or the next sibling of the child it just rejected. A child is
         tried at most once, so N - 1 iterations finish every walk."""
         (b, n, _), dev = probs.shape, probs.device
-        tokens, parents, valid, sampled, depth = to_device(
-            [tree.tokens, tree.parents, tree.valid, tree.sampled, tree.depth], dev)
-        draft = tree.draft_probs.to(dev)                                          # [B, N, V] q at each node
+        # (one copy of what lies on the host, no wait; a host drafter's q [B, N, V] with it)
+        tokens, parents, valid, sampled, depth, draft = to_device(
+            [tree.tokens, tree.parents, tree.valid, tree.sampled, tree.depth, tree.draft_probs], dev)
         first_child, next_sibling = first_child_next_sibling(parents, valid)     # [B, N] each
         rows = torch.arange(b, device=dev)
         node = torch.zeros(b, dtype=torch.long, device=dev)                       # [B] last accepted node
         child = first_child[:, 0]                                                 # [B] to try next, -1: done
         p = full = probs[:, 0].double()                                           # [B, V] residual, and p itself
         q = draft[:, 0].double()                                                  # [B, V]
-        path = torch.full((b, n + 1), -1, dtype=torch.long, device=dev)           # [B, N + 1] by depth; N: a sink
+        d = tree.depth_bound()
+        path = torch.full((b, d + 2), -1, dtype=torch.long, device=dev)           # [B, D + 2] by depth; D + 1: a sink
         path[:, 0] = 0
         for _ in range(n - 1):
             c = child.clamp(min=0)
@@ -92,11 +93,10 @@ class RejectionVerifier:
             full = torch.where(take[:, None], probs[rows, c].double(), full)     # on acceptance: x's own p, q
             p = torch.where(take[:, None], full, p)
             q = torch.where(take[:, None], draft[rows, c].double(), q)
-            path.scatter_(1, torch.where(take, depth[rows, c], n)[:, None], c[:, None])
+            path.scatter_(1, torch.where(take, depth[rows, c], d + 1)[:, None], c[:, None])
             node = torch.where(take, c, node)
             child = torch.where(take, first_child[rows, c], torch.where(drop, next_sibling[rows, c], child))
-        accepted = path[:, : tree.depth_bound() + 1]
-        return Verdict(accepted, depth[rows, node], sample_rows(p, u[:, n]))
+        return Verdict(path[:, : d + 1], depth[rows, node], sample_rows(p, u[:, n]))
 
 
 def _normalised(x: Tensor, fallback: Tensor) -> Tensor:

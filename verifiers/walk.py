@@ -23,7 +23,7 @@ def accept_path(tree: DraftTree, passes: Tensor) -> tuple[Tensor, Tensor, Tensor
     parents = tree.parents.clamp(min=0)
     # a node is taken when it passes and no earlier sibling does; the walk is every node whose
     # ancestors (and itself) are taken
-    passes = passes & tree.valid & (idx > 0)                                                 # [B, N]
+    passes = passes.to(idx.device) & tree.valid & (idx > 0)                                  # [B, N]
     earlier = passes[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx < idx[:, None])  # [B, N, N]
     taken = (passes & ~earlier.any(-1)) | (idx == 0)                                         # [B, N]
     mask = tree.mask if tree.mask is not None else ancestor_mask(tree.parents, depth)       # [B, N, N]

@@ -105,21 +105,27 @@ def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray) -> list[
 
 @settings(max_examples=150, deadline=None)
 @given(tree=random_trees(), seed=st.integers(0, 2**16), top_k=st.sampled_from([-1, 2]),
-       temperature=st.sampled_from([1.0, 3.0]), all_sampled=st.booleans())
-def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all_sampled):
+       temperature=st.sampled_from([1.0, 3.0]), all_sampled=st.booleans(), greedy_first=st.booleans(),
+       slack=st.sampled_from([None, 0, 3]))
+def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all_sampled, greedy_first, slack):
     """Sampled and top-k siblings mixed (or all sampled: rejections that update q), duplicate
-    tokens, padding, residuals that run out of mass (top-k zeros); coins as the verifier draws
-    them: N + 1 per request."""
+    tokens, padding, residuals that run out of mass (top-k zeros), a greedy request among
+    sampled ones, depth bounds exact or loose; coins as the verifier draws them: N + 1 per
+    request."""
     b, n = tree.tokens.shape
     if all_sampled:
         tree.sampled = tree.valid & (torch.arange(n) > 0)
+    if slack is not None:
+        tree.max_depth = int(tree.depth.max()) + slack
     logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
-    params = SamplingParams(temperature=temperature, top_k=top_k)
-    sampling = SamplingBatch.from_params([params] * b, [make_generator(seed + r) for r in range(b)])
+    params = [SamplingParams(temperature=0.0 if greedy_first and r == 0 else temperature, top_k=top_k)
+              for r in range(b)]
+    sampling = SamplingBatch.from_params(params, [make_generator(seed + r) for r in range(b)])
     coins = np.stack([torch.rand(n + 1, generator=make_generator(seed + r), dtype=torch.float64).numpy()
                       for r in range(b)])
     verdict = RejectionVerifier().verify(tree, logits, sampling)
+    assert verdict.accepted.shape == (b, tree.depth_bound() + 1)
     for r, (path, bonus) in enumerate(rule_by_hand(tree, target_probs(logits, sampling).double().numpy(), coins)):
-        assert verdict.accepted_nodes(r) == path
+        assert verdict.accepted[r, : len(path)].tolist() == path and verdict.accepted[r, len(path):].eq(-1).all()
         assert int(verdict.accept_len[r]) == len(path) - 1
         assert int(verdict.bonus_tokens[r]) == bonus
