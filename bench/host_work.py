@@ -3,6 +3,7 @@ spends outside its device work, at several batch sizes.
 
     .venv/bin/python bench/host_work.py                     # batch 1, 8, 32 on this CPU
     .venv/bin/python bench/host_work.py --batch-sizes 1 64 --steps 50
+    .venv/bin/python bench/host_work.py --verifier rejection --temperature 0.7   # sampled
 
 Target and EAGLE head are tiny random models (``bench/gpu/spec_step.py --tiny``'s), so their
 forwards cost little, and the engine runs the padded CUDA-graph path (eagerly on a CPU). The
@@ -10,7 +11,8 @@ device work is timed and subtracted from the step: what a GPU replays from graph
 forward, and the EAGLE-2 beam's build after the root, builder ops included) and the lm_heads'
 logits. What is left is the engine's, builder's, drafter's, runner's, verifier's and attention
 planner's host work, which a GPU step adds to its kernels (the smaller ops it leaves, such as
-the verifier's argmax, are kernels on a GPU too). One thread, best of 3. The ``_ops`` columns
+the verifier's argmax, are kernels on a GPU too; so is a sampled verifier's work over the tree's
+[B, N, V] probabilities, which makes its times here larger than its ops). One thread, best of 3. The ``_ops`` columns
 count the torch ops a step dispatches outside that device work: each is a kernel launch or a
 host op on a GPU, and unlike the times they do not depend on the machine.
 """
@@ -34,7 +36,8 @@ from specflow.engine import SpecEngine  # noqa: E402
 from specflow.runtime.beam import Beam  # noqa: E402
 from specflow.sampling import SamplingParams  # noqa: E402
 from trees.eagle2 import Eagle2Builder  # noqa: E402
-from verifiers.greedy import GreedyVerifier  # noqa: E402
+from specflow.config import build_component  # noqa: E402
+from specflow.registry import VERIFIERS  # noqa: E402
 
 
 class DeviceTimer:
@@ -89,11 +92,12 @@ def max_new_tokens(steps: int) -> int:
     return (4 + 4 * steps) * (TREE["depth"] + 1)
 
 
-def host_work(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer) -> tuple[float, float]:
+def host_work(engine: SpecEngine, batch: int, steps: int, timer: DeviceTimer,
+              temperature: float = 0.0) -> tuple[float, float]:
     """``batch`` requests running: (best of 3 milliseconds per step outside the device work, torch
     ops per step dispatched there)."""
     vocab = engine.runner.model.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(steps), ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens(steps), ignore_eos=True)
     rids = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,)).tolist(), params) for _ in range(batch)]
     for _ in range(4):  # prefill, then steps that record every graph shape
         engine.step()
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--verifier", default="greedy", choices=VERIFIERS.names())
+    p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     device, dtype = torch.device("cpu"), torch.float32
@@ -124,14 +130,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # per request: prompt, output, one tree, and the graphs' padding of a tree level
     kv_tokens = max_b * (PROMPT_LEN + max_new_tokens(args.steps) + 2 * TREE["num_draft_tokens"])
     common = dict(backend="torch", cuda_graphs=True, kv_cache_tokens=kv_tokens, max_batch_size=max_b)
-    plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
+    verifier = build_component(VERIFIERS, {"type": args.verifier})
+    plain = SpecEngine(target, verifier=verifier, **common)
     drafter = EagleDrafter(random_eagle_head(target, device, dtype), kv_cache_tokens=kv_tokens, runtime=plain.runtime)
-    spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=GreedyVerifier(), **common)
+    spec = SpecEngine(target, drafter=drafter, tree=Eagle2Builder(**TREE), verifier=verifier, **common)
     device_work = [(model, name) for model in (type(target), type(drafter.head)) for name in ("forward", "compute_logits")]
     rows = []
     with DeviceTimer(*device_work, (Beam, "_replay")) as timer:
         for b in args.batch_sizes:
-            (decode_ms, decode_ops), (spec_ms, spec_ops) = (host_work(e, b, args.steps, timer) for e in (plain, spec))
+            (decode_ms, decode_ops), (spec_ms, spec_ops) = (host_work(e, b, args.steps, timer, args.temperature)
+                                                        for e in (plain, spec))
             rows.append({"batch_size": b, "decode_host_ms": decode_ms, "spec_host_ms": spec_ms,
                          "decode_ops": decode_ops, "spec_ops": spec_ops})
     gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms", "decode_ops", "spec_ops"])
