@@ -11,6 +11,12 @@ from specflow.train import TrainConfig
 PROMPTS = ["def parse(self, line):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self):\n",
            "    for name in names:\n        if "]
 
+# the target's own greedy continuations: the text a greedy speculative run will see
+GENERATED = {"generated_tokens": 6144, "generate_prompt_len": 8, "generate_len": 56}
+# steps for an EAGLE head: the corpus is the running Python's stdlib, and on 3.12's (the GPU
+# machine's) 60 steps left heads at 1.8 tokens a step, where 3.11's reached 2.7
+HEAD_STEPS = 120
+
 
 def tiny_config(tmp: Path, recipe: dict, *, target: Path | None = None, steps: int = 60, lr: float = 3e-3,
                 data: dict | None = None, **top) -> TrainConfig:

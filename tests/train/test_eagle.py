@@ -8,14 +8,11 @@ from specflow.models.eagle import load_eagle, save_eagle
 from specflow.train import train
 from specflow.train.attention import CausalAttention
 from specflow.train.eagle import new_eagle_head
-from tests.train.runs import logged, mean_accept_length, tiny_config
-
-# the target's own greedy continuations: the text a greedy speculative run will see
-GENERATED = {"generated_tokens": 6144, "generate_prompt_len": 8, "generate_len": 56}
+from tests.train.runs import GENERATED, HEAD_STEPS, logged, mean_accept_length, tiny_config
 
 
 def test_trained_eagle_head_is_accepted_far_more_often(tmp_path, trained_target):
-    cfg = tiny_config(tmp_path, {"type": "eagle", "noise": 0.0}, target=trained_target, steps=60,
+    cfg = tiny_config(tmp_path, {"type": "eagle", "noise": 0.0}, target=trained_target, steps=HEAD_STEPS,
                       data=GENERATED)
     result = train(cfg)
     feature, acc = logged(tmp_path / "log", "train/feature"), logged(tmp_path / "log", "train/acc")

@@ -8,9 +8,7 @@ from specflow.models import load_model
 from specflow.models.eagle3 import load_eagle3, save_eagle3
 from specflow.train import train
 from specflow.train.eagle3 import draft_vocab, new_eagle3_head
-from tests.train.runs import logged, mean_accept_length, tiny_config
-
-GENERATED = {"generated_tokens": 6144, "generate_prompt_len": 8, "generate_len": 56}
+from tests.train.runs import GENERATED, HEAD_STEPS, logged, mean_accept_length, tiny_config
 
 
 def test_draft_vocab_is_the_most_frequent_tokens():
@@ -20,7 +18,7 @@ def test_draft_vocab_is_the_most_frequent_tokens():
 
 def test_trained_eagle3_head_is_accepted_far_more_often(tmp_path, trained_target):
     recipe = {"type": "eagle3", "draft_vocab_size": 160, "taps": [0, 1], "unroll": 3}
-    cfg = tiny_config(tmp_path, recipe, target=trained_target, steps=60, data=GENERATED)
+    cfg = tiny_config(tmp_path, recipe, target=trained_target, steps=HEAD_STEPS, data=GENERATED)
     result = train(cfg)
     for k in range(3):
         ce = logged(tmp_path / "log", f"train/ce_{k}")

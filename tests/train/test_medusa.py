@@ -8,9 +8,7 @@ from specflow.models import load_model
 from specflow.models.medusa import load_medusa, save_medusa
 from specflow.train import train
 from specflow.train.medusa import new_medusa_heads
-from tests.train.runs import logged, mean_accept_length, tiny_config
-
-GENERATED = {"generated_tokens": 6144, "generate_prompt_len": 8, "generate_len": 56}
+from tests.train.runs import GENERATED, logged, mean_accept_length, tiny_config
 
 
 def test_trained_medusa_heads_are_accepted_far_more_often(tmp_path, trained_target):
