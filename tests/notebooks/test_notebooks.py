@@ -3,9 +3,12 @@ such as greedy speculative output differing from plain decoding) fails the test.
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+REASON = "needs nbformat, nbclient and ipykernel (the dev extra: pip install -e '.[dev]')"
+nbformat = pytest.importorskip("nbformat", reason=REASON)
+NotebookClient = pytest.importorskip("nbclient", reason=REASON).NotebookClient
+pytest.importorskip("ipykernel", reason=REASON)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
