@@ -205,9 +205,9 @@ class EngineLoop:
         if not new_ids and not done:
             return
         text = out.text or ""
-        end = len(text) if done else len(text.rstrip("\ufffd")) - st.hold
+        end = len(text) if done else max(st.sent_chars, len(text.rstrip("\ufffd")) - st.hold)
         piece = text[st.sent_chars:end]
-        st.sent_chars = max(st.sent_chars, end)
+        st.sent_chars = end
         logprobs = None if out.logprobs is None else out.logprobs[st.sent_tokens:]
         for accept_length in out.accept_lengths[st.seen_steps:]:
             self.metrics.accept_length.observe(accept_length)

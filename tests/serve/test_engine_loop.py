@@ -1,0 +1,27 @@
+"""The engine thread's streaming bookkeeping, without a server."""
+
+import asyncio
+
+from specflow.request import RequestOutput
+from specflow.sampling import SamplingParams
+from specflow.serve.engine_loop import EngineLoop, Submission, _Stream
+from specflow.serve.metrics import Metrics
+
+
+def test_text_held_back_for_a_long_stop_string_is_sent_once_in_order():
+    """While a stop string could still complete, its length - 1 trailing characters wait; a stop
+    string longer than the text so far holds back all of it (and nothing is sent twice)."""
+    texts = ["ab", "abcdefgh", "abcdefghijklmn", "abcdefghijklmnopqrstu", "abcdefghijklmnopqrstuvw"]
+
+    async def publish() -> list[str]:
+        loop = EngineLoop(engine=None, metrics=Metrics(max_accept_length=8, num_kv_pages=1))
+        sub = Submission([([1], SamplingParams(stop=["0123456789"]))])
+        loop._streams[0] = _Stream(sub, index=0, hold=9)
+        for i, text in enumerate(texts):
+            out = RequestOutput(0, [1], list(range(i + 1)), text, "length", [1] * (i + 1))
+            loop._publish(out, done=i == len(texts) - 1)
+        await asyncio.sleep(0)  # the deltas are put on the submission's queue by its event loop
+        return [sub.deltas.get_nowait().text for _ in range(sub.deltas.qsize())]
+
+    pieces = asyncio.run(publish())
+    assert pieces == ["", "", "abcde", "fghijkl", "mnopqrstuvw"]  # (texts 14, 21 chars; hold 9)
