@@ -39,7 +39,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (self.top_k == -1 or 1 <= self.top_k < 2**31, f"top_k must be -1 (off) or in [1, 2^31), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
@@ -80,8 +80,9 @@ class SamplingBatch:
 
     @staticmethod
     def from_params(params: list[SamplingParams], generators: list[torch.Generator]) -> "SamplingBatch":
-        floats = torch.from_numpy(np.array([(p.temperature, p.top_p, p.min_p) for p in params],
-                                           dtype=np.float32).reshape(-1, 3))              # [B, 3]
+        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32).reshape(-1, 3)
+        floats[:, 1] = np.maximum(floats[:, 1], np.finfo(np.float32).tiny)  # a top_p rounding to 0 keeps the top token
+        floats = torch.from_numpy(floats)                                                 # [B, 3]
         return SamplingBatch(
             temperature=floats[:, 0],
             top_k=torch.from_numpy(np.array([p.top_k for p in params], dtype=np.int64)),

@@ -46,6 +46,17 @@ def test_top_k_keeps_ties_whatever_the_batch():
     assert target_probs(tied, SamplingBatch.from_params(mixed, [None] * 2))[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def test_extreme_filters_keep_the_top_token():
+    """A top_p that float32 rounds to 0 keeps the top token (not none, which would sample from
+    NaNs), and a top_k beyond int64 is refused up front (it failed the whole batch's step)."""
+    logits = torch.tensor([[[0.5, 2.0, 1.0, -1.0]]])                                    # [1, 1, V]
+    tiny = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=1e-50)], [torch.Generator()])
+    assert target_probs(logits, tiny)[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert next_tokens(logits[:, 0], tiny).tolist() == [1]
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**64)
+
+
 row_params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
                        top_k=st.sampled_from([-1, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.9, 0.5]),
                        min_p=st.sampled_from([0.0, 0.05, 0.3]))

@@ -35,6 +35,7 @@ BAD = [
     ("temperature > 2", "completions", {**GOOD, "temperature": 3}, 400, "temperature"),
     ("top_p = 0", "completions", {**GOOD, "top_p": 0}, 400, "top_p"),
     ("top_k = 0", "completions", {**GOOD, "top_k": 0}, 400, "top_k"),
+    ("top_k beyond int64", "completions", {**GOOD, "top_k": 2**64}, 400, "top_k"),
     ("min_p > 1", "completions", {**GOOD, "min_p": 2}, 400, "min_p"),
     ("n = 0", "completions", {**GOOD, "n": 0}, 400, "n"),
     ("max_tokens = 0", "completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
