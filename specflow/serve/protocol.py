@@ -19,7 +19,15 @@ DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 
 class _Strict(BaseModel):
+    """Strict and closed; an explicit ``null`` takes the field's default, as OpenAI's nullable
+    parameters do (clients send ``None`` as ``null``)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Strict):

@@ -97,6 +97,18 @@ def test_openai_client_raises_typed_errors(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=9999)
 
 
+def test_null_parameters_take_their_defaults(client):
+    """The openai client sends a parameter set to None as null; OpenAI reads it as the default."""
+    nulls = dict(temperature=None, top_p=None, n=None, seed=None, stop=None, presence_penalty=None,
+                 frequency_penalty=None, stream_options=None)
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=None, **nulls)
+    assert len(out.choices) == 1 and out.usage.completion_tokens == 2
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=None, max_completion_tokens=2, logprobs=None,
+                                          top_logprobs=None, **nulls)
+    assert len(chat.choices) == 1 and chat.usage.completion_tokens == 2 and chat.choices[0].logprobs is None
+
+
 def test_api_key(server):
     anonymous = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
