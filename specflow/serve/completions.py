@@ -22,6 +22,7 @@ from specflow.serve.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, SamplingFields,
     TopLogprob, Usage, error_body)
+from specflow.serve.token_bytes import TextOffsets, TokenBytes
 
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the response
 
@@ -68,6 +69,7 @@ class OpenAIServing:
         self.tokenizer = loop.engine.tokenizer
         self.context_len = loop.engine.model.config.max_position_embeddings
         self._token_text: dict[int, str] = {}
+        self._bytes = TokenBytes(self.tokenizer)
 
     # ----------------------------------------------------------------------------------------
     # endpoints
@@ -80,7 +82,7 @@ class OpenAIServing:
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
-        offsets: dict[int, int] = collections.defaultdict(int)   # choice -> text offset so far
+        offsets = collections.defaultdict(lambda: TextOffsets(self._bytes))   # choice -> its text offsets
 
         def chunk(d: Delta) -> CompletionResponse:
             lp = self._completion_logprobs(d.logprobs, offsets, d.index) if d.logprobs is not None else None
@@ -234,24 +236,20 @@ class OpenAIServing:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
         return self._token_text[token_id]
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob], offsets: dict[int, int],
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offsets: dict[int, TextOffsets],
                              index: int) -> CompletionLogprobs:
         """Legacy completions format: each token's string, log-probability, top alternatives
         (plus the chosen token) keyed by string, and its character offset in the completion."""
         tokens = [self._text(lp.token_id) for lp in logprobs]
-        text_offset = []
-        for t in tokens:
-            text_offset.append(offsets[index])
-            offsets[index] += len(t)
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], text_offset=text_offset,
+            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs],
+            text_offset=[offsets[index](lp.token_id) for lp in logprobs],
             top_logprobs=[{**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
                           for tok, lp in zip(tokens, logprobs)])
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> TopLogprob:
-            text = self._text(token_id)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            return TopLogprob(token=self._text(token_id), logprob=logprob, bytes=self._bytes(token_id))
 
         return ChatLogprobs(content=[
             ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
