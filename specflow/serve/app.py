@@ -177,9 +177,16 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None) -
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    card = ModelCard(id=model_name, created=created, max_model_len=serving.context_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=serving.context_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model:path}")   # (ids may hold slashes: meta-llama/Llama-3.1-8B)
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -75,7 +75,7 @@ class OpenAIServing:
     # endpoints
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompts = [self.loop.engine.encode(p) for p in body.prompts()]
         choices = [(ids, self._params(body, body.max_new_tokens, body.logprobs, i))
                    for ids in prompts for i in range(body.n)]
@@ -106,7 +106,7 @@ class OpenAIServing:
                 for i, o in enumerate(outs)]))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         ids = self._render_chat(body)
         max_tokens = body.max_new_tokens or max(1, self.context_len - len(ids))
         top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -140,7 +140,8 @@ class OpenAIServing:
     # ----------------------------------------------------------------------------------------
     # requests in
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
+        """404 (OpenAI's model_not_found) unless ``name`` is the served model."""
         if name != self.model_name:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")

@@ -63,6 +63,9 @@ def post(url: str, endpoint: str, body) -> httpx.Response:
 
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     text = httpx.get(server.url + "/metrics").text
     for name in ("specflow_requests_total", "specflow_prompt_tokens_total", "specflow_generation_tokens_total",
