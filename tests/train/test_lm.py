@@ -35,7 +35,8 @@ def kl_to(teacher, student, ids) -> float:
 
 @torch.no_grad()
 def test_distill_recipe_moves_the_draft_towards_the_target(tmp_path, tiny_target):
-    cfg = tiny_config(tmp_path, {"type": "distill", "model": SHAPE}, target=tiny_target, steps=40)
+    # 80 steps: the KL ratio is 0.82-0.86 on Python 3.10-3.12's stdlib corpora (40 gave 0.87-0.90)
+    cfg = tiny_config(tmp_path, {"type": "distill", "model": SHAPE}, target=tiny_target, steps=80)
     result = train(cfg)
     target, draft = load_model(tiny_target), load_model(tmp_path / "out")
     untrained = build_llama(ModelShape(**SHAPE), target.config.vocab_size, 0, cfg.seed)
