@@ -111,6 +111,10 @@ def test_n_choices_use_consecutive_seeds(client):
     assert second.choices[0].text == many.choices[1].text
 
 
+# a tree's forward and a decode step sum in other orders: float32 logprobs differ by ~1e-5 (torch 2.5)
+FLOAT32_SUMS = dict(atol=1e-4, rtol=1e-5)
+
+
 def test_logprobs_under_speculation_equal_plain_decoding(client):
     """Committed tokens' log-probabilities come from the target at the node that committed them,
     so a speculative request reports what a plain one does."""
@@ -121,7 +125,7 @@ def test_logprobs_under_speculation_equal_plain_decoding(client):
     assert plain.usage.model_extra["accept_length"]["mean"] == 1
     a, b = spec.choices[0].logprobs, plain.choices[0].logprobs
     assert a.tokens == b.tokens and len(a.tokens) == 16
-    torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs))
+    torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), **FLOAT32_SUMS)
     for top_a, top_b, tok, lp in zip(a.top_logprobs, b.top_logprobs, a.tokens, a.token_logprobs):
         assert top_a.keys() == top_b.keys() and top_a[tok] == lp and lp == max(top_a.values())  # greedy
 
@@ -132,7 +136,8 @@ def test_logprobs_under_speculation_equal_plain_decoding(client):
         **{**chat, "extra_body": {"ignore_eos": True, "speculative": False}}).choices[0].logprobs.content
     assert [t.token for t in spec] == [t.token for t in plain] and len(spec) == 16
     torch.testing.assert_close(torch.tensor([[t.logprob] + [x.logprob for x in t.top_logprobs] for t in spec]),
-                               torch.tensor([[t.logprob] + [x.logprob for x in t.top_logprobs] for t in plain]))
+                               torch.tensor([[t.logprob] + [x.logprob for x in t.top_logprobs] for t in plain]),
+                               **FLOAT32_SUMS)
 
 
 def test_32_concurrent_requests_under_kv_pressure_equal_sequential(client, server, reference):
