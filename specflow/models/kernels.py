@@ -78,7 +78,8 @@ def rope(q: Tensor, k: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor]:
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """SwiGLU's activation: ``[..., 2I]`` (gate | up) -> ``silu(gate) * up`` ``[..., I]``."""
-    if x.is_cuda and _fast(x) and x.shape[-1] % 16 == 0:  # the kernel's 16-byte loads at gate | up
+    # the kernel's 16-byte loads at gate | up; it reads rows at data_ptr() + r x width, strides unread
+    if x.is_cuda and _fast(x) and x.shape[-1] % 16 == 0 and x.is_contiguous():
         return _flashinfer().silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

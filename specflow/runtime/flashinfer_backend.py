@@ -177,8 +177,9 @@ class FlashinferBackend:
     runs the prefill wrapper with a causal mask; tree verification (or a sliding window over
     positions that are not token indices) runs it with a custom mask. ``num_qo_heads`` lets
     ``plan`` plan the wrapper at once; without it the wrapper is planned at the first layer's
-    ``forward`` (the head count arrives with q) and CUDA graphs are off, because a graph must
-    be planned before its first forward is captured.
+    ``forward`` (the head count arrives with q), every batch takes the prefill wrapper (the
+    decode kernels serve only some query heads per KV head), and CUDA graphs are off, because a
+    graph must be planned before its first forward is captured.
     """
 
     supports_graphs = True
@@ -195,8 +196,9 @@ class FlashinferBackend:
         self.num_qo_heads = num_qo_heads
         if num_qo_heads is None:
             self.supports_graphs = False
-        # other GQA group sizes (e.g. Qwen2.5-7B's 7) take the prefill kernel, which has no such limit
-        self.decode_ok = num_qo_heads is None or num_qo_heads // cache.k.shape[2] in DECODE_GROUP_SIZES
+        # other GQA group sizes (e.g. Qwen2.5-7B's 7), or an unknown one, take the prefill kernel,
+        # which has no such limit
+        self.decode_ok = num_qo_heads is not None and num_qo_heads // cache.k.shape[2] in DECODE_GROUP_SIZES
         # one split-k scratch buffer shared by every wrapper, graphs' included: forwards run one at a time
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.k.device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
