@@ -45,11 +45,19 @@ def validate(cls: type, node: Any, where: str) -> Any:
     _check_keys(cls, node, where)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), node)
+        for key in _component_fields(cls) & set(node.keys()):  # a node given replaces the default
+            merged[key] = node[key]                            # whole: its own type, or none at all
         OmegaConf.set_struct(merged, True)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {e.msg if hasattr(e, 'msg') else e}") from None
     return obj
+
+
+def _component_fields(cls: type) -> set[str]:
+    """The fields of ``cls`` that hold a component node (their default is a ``{type: ...}`` mapping)."""
+    return {f.name for f in dataclasses.fields(cls) if f.default_factory is not dataclasses.MISSING
+            and isinstance(default := f.default_factory(), dict) and "type" in default}
 
 
 def component_config(registry: Registry, node: Any, where: str) -> tuple[type, Any]:

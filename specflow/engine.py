@@ -73,6 +73,9 @@ class SpecEngine:
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
                  spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
                  record_steps: bool = False):
+        tree = tree if tree is not None else {"type": "chain"}
+        verifier = verifier if verifier is not None else {"type": "rejection"}
+        Pipeline.check(drafter, tree, verifier)  # before the target loads (minutes for an 8B)
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
             self.model, self.tokenizer = target, tokenizer
             param = next(target.parameters())
@@ -92,9 +95,7 @@ class SpecEngine:
         # drafters build their own runners with the target's backend and graph settings
         self.runtime = RuntimeOptions(backend, cuda_graphs, max_batch_size)
         self.pipeline = Pipeline.from_config(
-            drafter, tree if tree is not None else {"type": "chain"},
-            verifier if verifier is not None else {"type": "rejection"},
-            target=self.runner, vocab_size=self.model.config.vocab_size,
+            drafter, tree, verifier, target=self.runner, vocab_size=self.model.config.vocab_size,
             device=self.device, dtype=self.dtype,
             runtime=self.runtime)
         self.drafter = self.pipeline.drafter

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from specflow.config import ConfigError, build_component
+from specflow.config import ConfigError, build_component, component_config
 from specflow.protocols import Drafter, TreeBuilder, Verifier
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
 
@@ -59,6 +60,26 @@ class Pipeline:
                               + ", ".join(TREE_BUILDERS.names()))
         return Pipeline(_build(DRAFTERS, drafter, "drafter", ctx), _build(TREE_BUILDERS, tree, "tree", ctx),
                         built_verifier)
+
+    @staticmethod
+    def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> None:
+        """Fail on a bad config node before anything loads: every key and type, the tree's and the
+        verifier's values (building them costs nothing), and the drafter's files. Components
+        already built pass unchecked."""
+        for registry, node, key in ((TREE_BUILDERS, tree, "tree"), (VERIFIERS, verifier, "verifier")):
+            if isinstance(node, (str, dict, DictConfig)):
+                try:
+                    build_component(registry, node, where + key)
+                except ConfigError:
+                    raise
+                except ValueError as e:  # a value the component refuses
+                    raise ConfigError(f"{where}{key}: {e}") from None
+        if isinstance(drafter, (str, dict, DictConfig)):
+            _, cfg = component_config(DRAFTERS, drafter, where + "drafter")
+            for name in ("path", "token_map"):  # (the drafters' files, read when the target has loaded)
+                value = getattr(cfg, name, None)
+                if value is not None and not Path(value).exists():
+                    raise ConfigError(f"{where}drafter.{name}: {value} does not exist")
 
     def describe(self) -> str:
         if self.drafter is None:

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from specflow.bench.experiment import PipelineConfig, load_experiment
-from specflow.config import ConfigError, build_component, component_config, load_yaml, validate
+from specflow.config import ConfigError, build_component, component_config, dump_yaml, load_yaml, validate
+from specflow.engine import SpecEngine
 from specflow.pipeline import EngineConfig
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS, Registry, RegistryError
 
@@ -103,3 +104,36 @@ def test_experiment_typo_and_override(tmp_path):
         load_experiment(path, ["sampling.max_tokenz=3"])
     cfg, _ = load_experiment(path, ["sampling.max_tokens=3"])
     assert cfg.sampling.max_tokens == 3
+
+
+def test_a_component_node_without_a_type_is_an_error_not_the_default_type():
+    cfg = validate(PipelineConfig, {"name": "p", "tree": {"depth": 2}}, "pipelines[0]")
+    with pytest.raises(ConfigError, match=r"pipelines\[0\].tree: a tree node needs a 'type' key"):
+        component_config(TREE_BUILDERS, cfg.tree, "pipelines[0].tree")
+
+
+BAD_PIPELINES = [  # (a pipeline's nodes, what the error names): all found before the target loads
+    ({"tree": {"type": "chain", "depth": -1}}, r"pipelines\[p\].tree: .*depth must be >= 1"),
+    ({"tree": {"type": "eagle2", "topk": 0}}, r"pipelines\[p\].tree: .*topk"),
+    ({"verifier": {"type": "threshold", "threshold_single": 2.0}}, r"pipelines\[p\].verifier: .*threshold_single"),
+    ({"drafter": {"type": "eagle", "path": "no/such/head"}}, r"pipelines\[p\].drafter.path: no/such/head does not exist"),
+]
+
+
+@pytest.mark.parametrize("nodes,message", BAD_PIPELINES)
+def test_bad_values_fail_before_the_target_loads(tmp_path, nodes, message):
+    experiment = {"engine": {"target": "no/such/target"}, "pipelines": [{"name": "p", **nodes}]}
+    path = tmp_path / "x.yaml"
+    dump_yaml(experiment, path)
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(path)
+    with pytest.raises(ConfigError, match=message.replace(r"pipelines\[p\].", "")):
+        SpecEngine("no/such/target", **{"drafter": {"type": "ngram"}, **nodes})
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampling.temperature=-1", "sampling: temperature must be >= 0"), ("batch_size=0", "batch_size must be >= 1"),
+    ("engine.drafter.type=ngram", "engine.drafter: an experiment sets it per pipeline")])
+def test_bad_experiment_settings_fail_before_the_target_loads(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(CONFIGS[0], [override, "engine.target=no/such/target"])

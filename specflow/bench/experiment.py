@@ -14,11 +14,10 @@ from tqdm.auto import tqdm
 
 from specflow.bench.prompts import Prompt, load_suite
 from specflow.bench.report import write_report
-from specflow.config import ConfigError, component_config, dump_yaml, load_yaml, validate
+from specflow.config import ConfigError, dump_yaml, load_yaml, validate
 from specflow.engine import SpecEngine, load_tokenizer, resolve_device
 from specflow.models import load_model
-from specflow.pipeline import EngineConfig
-from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
+from specflow.pipeline import EngineConfig, Pipeline
 from specflow.sampling import SamplingParams
 
 
@@ -69,16 +68,29 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     cfg = validate(ExperimentConfig, raw, "experiment")
     if isinstance(cfg.engine, dict):
         cfg.engine = validate(EngineConfig, cfg.engine, "engine")
+    for key in ("drafter", "tree", "verifier"):
+        if key in raw.get("engine", {}):
+            raise ConfigError(f"engine.{key}: an experiment sets it per pipeline (pipelines[].{key})")
     pipelines = [validate(PipelineConfig, p, f"pipelines[{i}]") for i, p in enumerate(cfg.pipelines)]
-    for p in pipelines:  # fail on a bad component node now, not after the baseline has run
-        for registry, node, key in ((DRAFTERS, p.drafter, "drafter"), (TREE_BUILDERS, p.tree, "tree"),
-                                    (VERIFIERS, p.verifier, "verifier")):
-            if node is not None:
-                component_config(registry, node, f"pipelines[{p.name}].{key}")
+    for p in pipelines:  # fail on a bad node now, not after the target has loaded and the baseline run
+        Pipeline.check(p.drafter, p.tree, p.verifier, f"pipelines[{p.name}].")
     names = [p.name for p in pipelines]
     if len(set(names)) != len(names) or "baseline" in names:
         raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
+    if cfg.batch_size < 1 or cfg.warmup < 0:
+        raise ConfigError(f"batch_size must be >= 1 and warmup >= 0, got {cfg.batch_size} and {cfg.warmup}")
+    try:
+        sampling_params(cfg.sampling, 0)
+    except ValueError as e:
+        raise ConfigError(f"sampling: {e}") from None
     return cfg, pipelines
+
+
+def sampling_params(sampling: SamplingConfig, i: int) -> SamplingParams:
+    """Prompt ``i``'s SamplingParams (seed ``sampling.seed + i``)."""
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          min_p=sampling.min_p, max_tokens=sampling.max_tokens, seed=sampling.seed + i,
+                          ignore_eos=sampling.ignore_eos)
 
 
 def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:
@@ -87,9 +99,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
     texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
                                                    add_generation_prompt=True) if cfg.prompts.chat_template else p.text
              for p in prompts]
-    params = [SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                             min_p=sampling.min_p, max_tokens=sampling.max_tokens, seed=sampling.seed + i,
-                             ignore_eos=sampling.ignore_eos) for i in range(len(prompts))]
+    params = [sampling_params(sampling, i) for i in range(len(prompts))]
     for i in range(min(cfg.warmup, len(prompts))):
         engine.generate([texts[i]], params[i])
     rows = []
