@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from specflow.config import component_config, load_yaml, validate
+from specflow.config import ConfigError, component_config, load_yaml, validate
+from specflow.models.loader import resolve_dtype
 from specflow.registry import Registry
 from specflow.train.data import DataConfig
 
@@ -92,5 +93,11 @@ class Recipe(Protocol):
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Validate a training YAML (+ ``key=value`` overrides); the recipe node against its recipe."""
     cfg = validate(TrainConfig, load_yaml(path, overrides), "train")
-    component_config(RECIPES, cfg.recipe, "train.recipe")   # fail now on a bad recipe node
+    _, recipe = component_config(RECIPES, cfg.recipe, "train.recipe")   # fail now, not after training
+    try:
+        resolve_dtype(getattr(recipe, "save_dtype", "auto"), {})
+    except ValueError as e:
+        raise ConfigError(f"train.recipe.save_dtype: {e}") from None
+    if cfg.target is not None and not (Path(cfg.target) / "config.json").exists():
+        raise ConfigError(f"train.target: {cfg.target} is not a checkpoint directory (no config.json)")
     return cfg

@@ -102,4 +102,4 @@ def test_a_pipeline_that_cannot_load_shows_a_message_not_a_traceback(page):
     params.fill("{path: /nonexistent/draft}")
     generate(page)
     error = page.locator("#header-a .sf-error").inner_text()
-    assert "has no config.json" in error and "Traceback" not in page.content()
+    assert "does not exist" in error and "Traceback" not in page.content()

@@ -118,7 +118,7 @@ def test_a_pipeline_that_cannot_load_fails_its_lane_only(pool, tmp_path):
                             {"type": "chain"}, {"type": "greedy"})
     ok = PipelineConfig("ngram", {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"})
     lanes = [start_lane(pool, broken, PROMPT, PARAMS), start_lane(pool, ok, PROMPT, PARAMS)]
-    assert lanes[0].state == "error" and "has no config.json" in lanes[0].error
+    assert lanes[0].state == "error" and "drafter.path" in lanes[0].error and "does not exist" in lanes[0].error
     for _ in stream(pool, lanes, PROMPT, PARAMS, threading.Event()):
         pass
     assert lanes[0].state == "error" and lanes[1].state == "done"

@@ -33,6 +33,16 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
         load_train_config(CONFIGS[0].parent / "eagle3.yaml", [override])
 
 
+@pytest.mark.parametrize("override, named", [
+    ("recipe.save_dtype=fp16", "train.recipe.save_dtype: dtype 'fp16' is not supported"),
+    ("target=no/such/target", "train.target: no/such/target is not a checkpoint directory"),
+])
+def test_settings_read_after_training_fail_before_it(override, named):
+    """The export dtype (read once training is done) and the target are checked up front."""
+    with pytest.raises(ConfigError, match=named):
+        load_train_config(CONFIGS[0].parent / "eagle.yaml", [override])
+
+
 @pytest.mark.parametrize("recipe", ["distill", "eagle", "eagle3", "medusa"])
 def test_recipes_that_read_a_target_say_so(recipe, tmp_path):
     cfg = validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": recipe}}, "train")
