@@ -163,7 +163,9 @@ class SpecEngine:
             self._finish(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether ``step()`` has outputs still to return (requests running or waiting, or
+        finished inside another call's ``generate`` and not yet returned)."""
+        return bool(self._unclaimed) or self.scheduler.has_unfinished()
 
     def snapshot(self, request_ids: list[int]) -> list[RequestOutput]:
         """The output so far (committed tokens, text, accept lengths, logprobs) of each unfinished
@@ -242,7 +244,7 @@ class SpecEngine:
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             try:
-                out = self._target_forward(batch, tree)
+                tree, out = self._target_forward_or_roots(batch, tree, roots)
             except OutOfPages:
                 finished += self._preempt()
                 continue
@@ -297,6 +299,18 @@ class SpecEngine:
             positions=[p[:n] for p, n in zip(positions.tolist(), n_send)],
             tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
             taps=taps)
+
+    def _target_forward_or_roots(self, batch: list[Request], tree: DraftTree,
+                                 roots: Roots) -> tuple[DraftTree, ExtendOutput]:
+        """The target pass over the trees; when the pool has no room for them, over the roots
+        alone (a plain step: one slot per request), rather than preempting or cutting a request
+        short. OutOfPages from the roots' pass goes up."""
+        if tree.num_nodes > 1:
+            try:
+                return tree, self._target_forward(batch, tree)
+            except OutOfPages:
+                tree = DraftTree.root_only(roots)
+        return tree, self._target_forward(batch, tree)
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
         if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)
@@ -387,8 +401,8 @@ class SpecEngine:
         except OutOfPages:
             self.scheduler.requeue(reqs)
             return []
-        sampling = self._sampling(reqs)
-        first = next_tokens(out.logits, sampling).tolist()
+        rows = [b for b, f in enumerate(fresh) if f]  # (a resumed request's generator draws nothing)
+        first = dict(zip(rows, next_tokens(out.logits[rows], self._sampling([reqs[b] for b in rows])).tolist()))
         live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:

@@ -13,8 +13,9 @@ class Scheduler:
     """Requests wait in FIFO order and run while the batch and the KV pool have room.
 
     A request is admitted when the pool can hold its sequence plus one tree of ``num_draft_tokens``
-    nodes. When a step runs out of pages, the newest running request is preempted: its KV is
-    freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+    nodes (plus one token when nothing runs: a step without room for trees verifies the roots
+    only). When even that step runs out of pages, the newest running request is preempted: its
+    KV is freed and it goes back to the front of the queue, to be recomputed from its tokens later.
     """
 
     def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int):
@@ -35,7 +36,8 @@ class Scheduler:
         admitted = []
         free = self.cache.allocator.num_free
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            need = self.cache.pages_needed(self.waiting[0].seq_len + self.num_draft_tokens)
+            lookahead = self.num_draft_tokens if self.running or admitted else 1
+            need = self.cache.pages_needed(self.waiting[0].seq_len + lookahead)
             if need > free:
                 break
             free -= need
@@ -68,6 +70,6 @@ class Scheduler:
 
     def fits_alone(self, req: Request) -> bool:
         """Whether the whole pool (but the CUDA graphs' padding pages) could ever hold this
-        request's next step."""
+        request's next step, a plain one at least."""
         usable = self.cache.allocator.num_pages - len(self.cache.block_tables.get(PAD_REQUEST, ()))
-        return self.cache.pages_needed(req.seq_len + self.num_draft_tokens) <= usable
+        return self.cache.pages_needed(req.seq_len + 1) <= usable

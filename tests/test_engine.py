@@ -81,10 +81,14 @@ def test_stop_token_ids_and_eos(engine):
     assert eos.token_ids == out.token_ids and len(ignored.token_ids) == 24
 
 
-def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, engine):
-    expected = [o.token_ids for o in engine.generate(PROMPTS * 2, GREEDY)]
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, engine, sampled):
+    """(Seeded: a preempted request resumes on its generator where it left it.)"""
+    params = [SamplingParams(temperature=0.8, max_tokens=24, seed=i, ignore_eos=True) for i in range(6)] \
+        if sampled else GREEDY
+    expected = [o.token_ids for o in engine.generate(PROMPTS * 2, params)]
     small = SpecEngine(tiny_target, device="cpu", dtype="float32", kv_cache_tokens=80, page_size=4)
-    outs = small.generate(PROMPTS * 2, GREEDY)
+    outs = small.generate(PROMPTS * 2, params)
     assert [o.token_ids for o in outs] == expected
     assert small.runner.cache.num_pages_used == 0
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
@@ -128,6 +132,17 @@ def test_a_full_drafter_pool_falls_back_to_plain_steps(tiny_target, engine):
     assert max(out.accept_lengths) > 1 and out.accept_lengths[-1] == 1  # drafted early, then plain
 
 
+def test_a_pool_without_room_for_a_tree_verifies_the_roots_instead_of_stopping(tiny_target, engine):
+    """A lone request whose pool holds its whole sequence but no longer a 16-node tree on top
+    decodes plainly to the end, as plain decoding would, instead of stopping at "length"."""
+    prompt, params = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    e = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target)}, {"type": "chain", "depth": 15},
+                   {"type": "greedy"}, device="cpu", dtype="float32", kv_cache_tokens=len(prompt) + 30)
+    out = e.generate([prompt], params)[0]
+    assert out.token_ids == engine.generate([prompt], params)[0].token_ids
+    assert max(out.accept_lengths) > 1 and out.accept_lengths[-1] == 1  # drafted while the pool had room
+
+
 def test_a_preempted_request_that_can_never_fit_again_stops(tiny_target):
     e = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target)}, {"type": "chain", "depth": 15},
                    {"type": "greedy"}, device="cpu", dtype="float32", kv_cache_tokens=64, max_batch_size=2)
@@ -143,7 +158,8 @@ def test_generate_keeps_outputs_of_requests_added_before(engine):
     early = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
     outs = engine.generate(PROMPTS[1:], GREEDY)
     assert [len(o.token_ids) for o in outs] == [24, 24]
-    assert [o.request_id for o in engine.step()] == [early]
+    assert engine.has_unfinished()  # (a `while has_unfinished(): step()` loop collects it)
+    assert [o.request_id for o in engine.step()] == [early] and not engine.has_unfinished()
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         engine.generate(PROMPTS[:2], [GREEDY])
 
