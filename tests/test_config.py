@@ -116,7 +116,8 @@ BAD_PIPELINES = [  # (a pipeline's nodes, what the error names): all found befor
     ({"tree": {"type": "chain", "depth": -1}}, r"pipelines\[p\].tree: .*depth must be >= 1"),
     ({"tree": {"type": "eagle2", "topk": 0}}, r"pipelines\[p\].tree: .*topk"),
     ({"verifier": {"type": "threshold", "threshold_single": 2.0}}, r"pipelines\[p\].verifier: .*threshold_single"),
-    ({"drafter": {"type": "eagle", "path": "no/such/head"}}, r"pipelines\[p\].drafter.path: no/such/head does not exist"),
+    ({"drafter": {"type": "eagle", "path": "no/such/head"}},
+     r"pipelines\[p\].drafter.path: no/such/head does not exist"),
 ]
 
 
