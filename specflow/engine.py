@@ -73,9 +73,9 @@ class SpecEngine:
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
                  spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
                  record_steps: bool = False):
-        tree = tree if tree is not None else {"type": "chain"}
-        verifier = verifier if verifier is not None else {"type": "rejection"}
-        Pipeline.check(drafter, tree, verifier)  # before the target loads (minutes for an 8B)
+        tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
+            drafter, tree if tree is not None else {"type": "chain"},
+            verifier if verifier is not None else {"type": "rejection"})
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
             self.model, self.tokenizer = target, tokenizer
             param = next(target.parameters())
@@ -402,7 +402,8 @@ class SpecEngine:
             self.scheduler.requeue(reqs)
             return []
         rows = [b for b, f in enumerate(fresh) if f]  # (a resumed request's generator draws nothing)
-        first = dict(zip(rows, next_tokens(out.logits[rows], self._sampling([reqs[b] for b in rows])).tolist()))
+        logits = out.logits if len(rows) == len(reqs) else out.logits[rows]
+        first = dict(zip(rows, next_tokens(logits, self._sampling([reqs[b] for b in rows])).tolist()))
         live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:

@@ -62,24 +62,25 @@ class Pipeline:
                         built_verifier)
 
     @staticmethod
-    def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> None:
+    def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> tuple[Any, Any]:
         """Fail on a bad config node before anything loads: every key and type, the tree's and the
-        verifier's values (building them costs nothing), and the drafter's files. Components
-        already built pass unchecked."""
+        verifier's values (built with no context: it costs nothing), and the drafter's files. Returns the
+        tree and verifier built (for ``from_config``); components already built pass unchecked."""
+        built = []
         for registry, node, key in ((TREE_BUILDERS, tree, "tree"), (VERIFIERS, verifier, "verifier")):
-            if isinstance(node, (str, dict, DictConfig)):
-                try:
-                    build_component(registry, node, where + key)
-                except ConfigError:
-                    raise
-                except ValueError as e:  # a value the component refuses
-                    raise ConfigError(f"{where}{key}: {e}") from None
+            try:
+                built.append(_build(registry, node, where + key, {}) if node is not None else None)
+            except ConfigError:
+                raise
+            except ValueError as e:  # a value the component refuses
+                raise ConfigError(f"{where}{key}: {e}") from None
         if isinstance(drafter, (str, dict, DictConfig)):
             _, cfg = component_config(DRAFTERS, drafter, where + "drafter")
             for name in ("path", "token_map"):  # (the drafters' files, read when the target has loaded)
                 value = getattr(cfg, name, None)
                 if value is not None and not Path(value).exists():
                     raise ConfigError(f"{where}drafter.{name}: {value} does not exist")
+        return built[0], built[1]
 
     def describe(self) -> str:
         if self.drafter is None:
