@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=7860)
     p.set_defaults(fn=cmd_app)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides may follow an option (sweep ... --grid tree.depth=3,5 sampling.seed=1)
+        if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         args.fn(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

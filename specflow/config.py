@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,10 +28,22 @@ def _check_keys(cls: type, node: DictConfig, where: str) -> None:
     for key in node.keys():
         if key not in fields:
             raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(fields)}")
-        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
-        value = node[key]
-        if sub is not None and dataclasses.is_dataclass(sub()) and isinstance(value, DictConfig):
-            _check_keys(type(sub()), value, f"{where}.{key}")
+        factory = fields[key].default_factory
+        if factory is dataclasses.MISSING:
+            continue
+        default, value = factory(), node[key]
+        if value is not None and isinstance(default, list) != isinstance(value, ListConfig):
+            kind = "a list" if isinstance(default, list) else "a mapping"
+            raise ConfigError(f"{where}.{key}: expected {kind}, got {_show(value)}")
+        if dataclasses.is_dataclass(default) and isinstance(value, DictConfig):
+            _check_keys(type(default), value, f"{where}.{key}")
+
+
+def _show(node: Any) -> str:
+    """A config value as one line of YAML, for error messages."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node)
+    return repr(yaml.safe_dump(node, default_flow_style=True, width=1 << 30).removesuffix("\n...\n").strip())
 
 
 def validate(cls: type, node: Any, where: str) -> Any:
@@ -39,9 +52,10 @@ def validate(cls: type, node: Any, where: str) -> Any:
     Returns an instance of ``cls``. Unknown keys raise ConfigError naming the valid ones; nested
     component nodes (fields typed ``Any``) pass through untouched.
     """
-    node = OmegaConf.create({} if node is None else node) if not isinstance(node, DictConfig) else node
+    if node is None or isinstance(node, dict):
+        node = OmegaConf.create(node or {})
     if not isinstance(node, DictConfig):
-        raise ConfigError(f"{where}: expected a mapping, got {OmegaConf.to_yaml(node).strip()!r}")
+        raise ConfigError(f"{where}: expected a mapping, got {_show(node)}")
     _check_keys(cls, node, where)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), node)
@@ -91,11 +105,15 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     cfg = OmegaConf.load(path)
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override '{bad[0]}' must look like key=value")
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    for override in overrides or []:
+        key, eq, _ = override.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override '{override}' must look like key=value")
+        try:  # (update, not merge: a key may index a list, as in pipelines.0.tree.depth=3)
+            value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)  # the value parsed as YAML
+            OmegaConf.update(cfg, key, value, merge=True)
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
+            raise ConfigError(f"override '{override}': {str(e).splitlines()[0]}") from None
     return cfg
 
 

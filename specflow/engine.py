@@ -16,6 +16,7 @@ from specflow.models import LlamaForCausalLM, load_model
 from specflow.pipeline import EngineConfig, Pipeline
 from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput, Status
+from specflow.runtime.attention import BACKENDS
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
@@ -28,7 +29,13 @@ def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device,
     """``"auto"`` picks cuda + bfloat16 when a GPU is present, else cpu + float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device: '{device}' is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"device: '{device}', but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                          f"(torch {torch.__version__}); use device: cpu or auto")
     if dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
@@ -36,6 +43,19 @@ def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device,
             raise ConfigError(f"dtype: '{dtype}' is not one of auto, float32, bfloat16, float16")
         dtype = getattr(torch, dtype)
     return device, dtype
+
+
+def check_runtime(backend: str, page_size: int, kv_cache_tokens: int, max_batch_size: int,
+                  spec_max_batch_size: int | None) -> None:
+    """Fail on a bad runtime setting before the target loads."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
+    for key, value in (("page_size", page_size), ("kv_cache_tokens", kv_cache_tokens),
+                       ("max_batch_size", max_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if spec_max_batch_size is not None and spec_max_batch_size < 0:
+        raise ConfigError(f"spec_max_batch_size must be >= 0 or null, got {spec_max_batch_size}")
 
 
 def load_tokenizer(path: str | Path):
@@ -76,6 +96,7 @@ class SpecEngine:
         tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
             drafter, tree if tree is not None else {"type": "chain"},
             verifier if verifier is not None else {"type": "rejection"})
+        check_runtime(backend, page_size, kv_cache_tokens, max_batch_size, spec_max_batch_size)
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
             self.model, self.tokenizer = target, tokenizer
             param = next(target.parameters())

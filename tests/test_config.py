@@ -134,7 +134,31 @@ def test_bad_values_fail_before_the_target_loads(tmp_path, nodes, message):
 
 @pytest.mark.parametrize("override,message", [
     ("sampling.temperature=-1", "sampling: temperature must be >= 0"), ("batch_size=0", "batch_size must be >= 1"),
-    ("engine.drafter.type=ngram", "engine.drafter: an experiment sets it per pipeline")])
+    ("engine.drafter.type=ngram", "engine.drafter: an experiment sets it per pipeline"),
+    ("engine.page_size=0", "page_size must be >= 1, got 0"), ("engine.kv_cache_tokens=-5", "kv_cache_tokens must be"),
+    ("engine.backend=triton", "backend: 'triton' is not one of torch, flashinfer, auto"),
+    ("engine.device=gpu", "device: 'gpu' is not a torch device"),
+    ("engine.device=cuda:7", "device: 'cuda:7', but torch sees"),
+    ("pipelines.0.tree.depth=x", r"pipelines\[.*\].tree .*'x'"),
+    ("pipelines.9.tree.depth=3", "override 'pipelines.9.tree.depth=3': list index out of range"),
+    ("pipelines.x.tree=3", "override 'pipelines.x.tree=3'"), ("sampling=[1", "override 'sampling=\\[1'"),
+    ("pipelines={a: {name: a}}", "override 'pipelines={a: {name: a}}': Cannot merge incompatible container"),
+    ("pipelines=[3]", r"pipelines\[0\]: expected a mapping, got '3'")])
 def test_bad_experiment_settings_fail_before_the_target_loads(override, message):
     with pytest.raises(ConfigError, match=message):
         load_experiment(CONFIGS[0], [override, "engine.target=no/such/target"])
+
+
+def test_containers_of_the_wrong_kind_name_the_key(tmp_path):
+    dump_yaml({"engine": {"target": "t"}, "pipelines": {"a": {"name": "a"}}}, tmp_path / "x.yaml")
+    with pytest.raises(ConfigError, match="experiment.pipelines: expected a list, got '{a: {name: a}}'"):
+        load_experiment(tmp_path / "x.yaml")
+    dump_yaml({"engine": [1]}, tmp_path / "y.yaml")
+    with pytest.raises(ConfigError, match=r"experiment.engine: expected a mapping, got '\[1\]'"):
+        load_experiment(tmp_path / "y.yaml")
+
+
+def test_overrides_index_lists():
+    cfg, pipelines = load_experiment(CONFIGS[0], ["pipelines.1.tree.depth=2", "pipelines.0.name=first"])
+    assert pipelines[1].tree["depth"] == 2 and pipelines[0].name == "first"
+    assert [p.name for p in pipelines[1:]] == [p.name for p in load_experiment(CONFIGS[0])[1][1:]]

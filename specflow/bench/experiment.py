@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from specflow.bench.prompts import Prompt, load_suite
 from specflow.bench.report import write_report
 from specflow.config import ConfigError, dump_yaml, load_yaml, validate
-from specflow.engine import SpecEngine, load_tokenizer, resolve_device
+from specflow.engine import SpecEngine, check_runtime, load_tokenizer, resolve_device
 from specflow.models import load_model
 from specflow.pipeline import EngineConfig, Pipeline
 from specflow.sampling import SamplingParams
@@ -79,6 +79,9 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
         raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
     if cfg.batch_size < 1 or cfg.warmup < 0:
         raise ConfigError(f"batch_size must be >= 1 and warmup >= 0, got {cfg.batch_size} and {cfg.warmup}")
+    e = cfg.engine
+    check_runtime(e.backend, e.page_size, e.kv_cache_tokens, cfg.batch_size, e.spec_max_batch_size)
+    resolve_device(e.device, e.dtype)
     try:
         sampling_params(cfg.sampling, 0)
     except ValueError as e:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specflow.bench.experiment import PipelineConfig, execute, load_experiment
 from specflow.config import ConfigError
+from specflow.pipeline import Pipeline
 
 
 def parse_grid(grid: list[str]) -> dict[str, list]:
@@ -16,7 +17,8 @@ def parse_grid(grid: list[str]) -> dict[str, list]:
     axes = {}
     for item in grid:
         key, _, values = item.partition("=")
-        if not values or key.split(".")[0] not in ("drafter", "tree", "verifier"):
+        section, _, param = key.partition(".")
+        if not values or not param or section not in ("drafter", "tree", "verifier"):
             raise ConfigError(f"--grid '{item}' must look like tree.topk=2,4 (drafter., tree. or verifier. keys)")
         axes[key] = [_number(v) for v in values.split(",")]
     return axes
@@ -43,6 +45,7 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
                 raise ConfigError(f"--grid {key}: the pipeline has no {section} node")
             node[param] = value
         p.name = ",".join(f"{k.split('.', 1)[1]}={v}" for k, v in zip(axes, values))
+        Pipeline.check(p.drafter, p.tree, p.verifier, f"--grid point {p.name}: ")
         out.append(p)
     return out
 
@@ -52,9 +55,9 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
     cfg, pipelines = load_experiment(path, overrides)
     if not pipelines:
         raise ConfigError("sweep: the experiment has no pipelines to sweep")
-    axes = parse_grid(grid)
+    points = grid_pipelines(pipelines[0], parse_grid(grid))  # every point checked before anything loads
     cfg = dataclasses.replace(cfg, name=f"{cfg.name}-sweep")
-    results = execute(cfg, grid_pipelines(pipelines[0], axes))
+    results = execute(cfg, points)
     ranked = sorted(((n, s) for n, s in results["pipelines"].items() if n != "baseline"),
                     key=lambda item: item[1]["speedup"], reverse=True)
     best, stats = ranked[0]

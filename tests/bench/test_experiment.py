@@ -1,6 +1,7 @@
 """`specflow run` / `specflow sweep` end to end on a tiny model, and the prompt-suite loaders."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,11 +59,26 @@ def test_sweep_prints_the_best_configuration(tmp_path, tiny_target, capsys):
     drafter: {type: draft_model, path: %s, kv_cache_tokens: 4096}
     tree: {type: chain, depth: 2}
     verifier: {type: greedy}""" % tiny_target)
-    assert main(["sweep", str(path), "--grid", "tree.depth=1,3"]) == 0
+    assert main(["sweep", str(path), "--grid", "tree.depth=1,3", "sampling.max_tokens=5"]) == 0  # (override last)
     printed = capsys.readouterr().out
     assert "best: depth=" in printed
     results = json.loads((tmp_path / "runs" / "tiny-sweep" / "results.json").read_text())
     assert set(results["pipelines"]) == {"baseline", "depth=1", "depth=3"}
+    assert results["pipelines"]["depth=3"]["tokens"] == 2 * 5
+
+
+@pytest.mark.parametrize("grid,message", [
+    ("tree=2,3", "--grid 'tree=2,3' must look like tree.topk=2,4"),
+    ("tree.depth=2,0", "--grid point depth=0: tree: .*depth must be >= 1"),
+    ("verifier.type=greedy,exact", "--grid point type=exact: verifier.type: unknown verifier type 'exact'")])
+def test_sweep_checks_every_grid_point_before_the_target_loads(tmp_path, capsys, grid, message):
+    path = write_config(tmp_path, "no/such/target", """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    assert main(["sweep", str(path), "--grid", grid]) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
