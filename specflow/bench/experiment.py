@@ -180,12 +180,17 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
                "pipelines": {"baseline": summarize(baseline, None)}}
     results["pipelines"]["baseline"]["speedup"] = 1.0
     all_rows = {"baseline": baseline}
+
+    def save() -> None:  # after every pipeline: one that fails later loses nothing that finished
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+    save()
     for p in pipelines:
         rows = run_pipeline(engine_for(p), prompts, cfg, p.name)
         results["pipelines"][p.name] = summarize(rows, baseline)
         results["pipelines"][p.name]["pipeline"] = {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}
         all_rows[p.name] = rows
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        save()
     write_report(results, all_rows, out_dir)
     print((out_dir / "results.md").read_text())
     print(f"wrote {out_dir}/")

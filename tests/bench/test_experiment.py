@@ -8,6 +8,7 @@ import pytest
 
 from specflow.bench.prompts import load_suite
 from specflow.cli import main
+from specflow.models.random import make_random_checkpoint
 
 SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -89,6 +90,23 @@ def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
     verifier: {type: greedy}""")
     assert main(["run", str(path)]) == 2
     assert "unknown key 'max_windw'; valid keys: min_window, max_window" in capsys.readouterr().err
+
+
+def test_a_failing_pipeline_keeps_the_finished_ones(tmp_path, tiny_target, capsys):
+    other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
+    path = write_config(tmp_path, tiny_target, """
+  - name: pld
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}
+  - name: wrong-vocab
+    drafter: {type: draft_model, path: %s}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""" % other_vocab)
+    assert main(["run", str(path)]) == 2
+    assert "vocabulary (300) differs" in capsys.readouterr().err
+    results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())
+    assert set(results["pipelines"]) == {"baseline", "pld"} and results["pipelines"]["pld"]["tokens"] == 2 * 8
 
 
 def test_question_jsonl_loader():
