@@ -22,16 +22,22 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the valid choices."""
 
 
+def _factory_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of ``cls``'s fields that have a default factory (nested dataclasses, lists, nodes)."""
+    return {f.name: f.default_factory() for f in dataclasses.fields(cls)
+            if f.default_factory is not dataclasses.MISSING}
+
+
 def _check_keys(cls: type, node: DictConfig, where: str) -> None:
-    """Fail on the first key that ``cls`` (or a nested dataclass field) does not declare."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    """Fail on the first key that ``cls`` (or a nested dataclass field) does not declare, or whose
+    value is a list where a mapping belongs (or the reverse)."""
+    names, defaults = [f.name for f in dataclasses.fields(cls)], _factory_defaults(cls)
     for key in node.keys():
-        if key not in fields:
-            raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(fields)}")
-        factory = fields[key].default_factory
-        if factory is dataclasses.MISSING:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(names)}")
+        if key not in defaults:
             continue
-        default, value = factory(), node[key]
+        default, value = defaults[key], node[key]
         if value is not None and isinstance(default, list) != isinstance(value, ListConfig):
             kind = "a list" if isinstance(default, list) else "a mapping"
             raise ConfigError(f"{where}.{key}: expected {kind}, got {_show(value)}")
@@ -65,13 +71,25 @@ def validate(cls: type, node: Any, where: str) -> Any:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {e.msg if hasattr(e, 'msg') else e}") from None
+    except ValueError as e:  # a value a dataclass's __post_init__ refuses: name the nested node that has it
+        for key, default in _factory_defaults(cls).items():
+            if key in node and dataclasses.is_dataclass(default):
+                validate(type(default), node[key], f"{where}.{key}")
+        raise ConfigError(f"{where}: {e}") from None
     return obj
+
+
+def check_at_least(obj: Any, minimum: int, *names: str) -> None:
+    """Raise ValueError naming the first of ``obj``'s fields ``names`` below ``minimum`` (None passes)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _component_fields(cls: type) -> set[str]:
     """The fields of ``cls`` that hold a component node (their default is a ``{type: ...}`` mapping)."""
-    return {f.name for f in dataclasses.fields(cls) if f.default_factory is not dataclasses.MISSING
-            and isinstance(default := f.default_factory(), dict) and "type" in default}
+    return {key for key, default in _factory_defaults(cls).items() if isinstance(default, dict) and "type" in default}
 
 
 def component_config(registry: Registry, node: Any, where: str) -> tuple[type, Any]:

@@ -33,7 +33,7 @@ class Eagle2Builder:
     Step 0 expands the root with k = topk. Each further step expands the whole frontier (topk
     nodes) at once, scores each of the topk^2 children as parent score x child probability,
     records them all as candidates and keeps the global top-k as the next frontier. After
-    ``depth`` levels, the N - 1 best candidates (over 1 + topk + (depth - 1) topk^2) are kept,
+    ``depth`` levels, the N - 1 best candidates (over 1 + topk + (depth - 1) topk^2, which caps N) are kept,
     sorted by candidate index so parents precede children. Candidates without a child (-inf) or
     with a NaN score are never kept; when fewer than N - 1 remain the tree is padded.
 
@@ -51,7 +51,9 @@ class Eagle2Builder:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"eagle2 tree: {message}")
-        self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
+        # a budget beyond the candidates would only verify padding (SGLang likewise sets N = depth + 1 at topk 1)
+        self.topk, self.depth = topk, depth
+        self.num_draft_tokens = min(num_draft_tokens, 1 + topk + (depth - 1) * topk * topk)
 
     @classmethod
     def from_config(cls, cfg: Eagle2Config, **_) -> "Eagle2Builder":

@@ -99,6 +99,7 @@ class ModelConfig:
                                "num_attention_heads") if k not in hf]
         if missing:
             raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+        _check_types(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not implemented; "
                                       f"Llama-family models use 'silu'")
@@ -159,6 +160,29 @@ class ModelConfig:
         if self.arch in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = False
         return hf
+
+
+def _token_id(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+_TYPES = {  # config.json key -> (what it must be, test); null passes (the key's default)
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"),
+                    ("a positive integer", lambda v: type(v) is int and v > 0)),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), ("a positive number", lambda v: type(v) in (int, float) and v > 0)),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+                    ("true or false", lambda v: type(v) is bool)),
+    "bos_token_id": ("a token id", _token_id),
+    "eos_token_id": ("a token id or a list of them", lambda v: all(map(_token_id, v if type(v) is list else [v]))),
+}
+
+
+def _check_types(hf: dict) -> None:
+    """Fail naming the first config.json key whose value has the wrong type (a string "64", 1e-5 as "1e-5")."""
+    for key, (kind, ok) in _TYPES.items():
+        if hf.get(key) is not None and not ok(hf[key]):
+            raise CheckpointError(f"config.json: {key} must be {kind}, got {hf[key]!r}")
 
 
 def _arch(hf: dict) -> str:

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from specflow.models.config import CheckpointError
+from specflow.models.loader import read_json, read_weights
 from specflow.models.llama import StackedState, checkpoint_state
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -30,13 +31,10 @@ def read_head(path: str | Path, weight_files: tuple[str, ...] = WEIGHT_FILES) ->
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; point to a draft head checkpoint directory")
-    hf = json.loads(config_file.read_text())
+    hf = read_json(config_file)
     for name in weight_files:
-        file = path / name
-        if file.is_file():
-            if name.endswith(".safetensors"):
-                return hf, load_file(file, device="cpu")
-            return hf, torch.load(file, map_location="cpu", weights_only=True)
+        if (path / name).is_file():
+            return hf, dict(read_weights(path / name, "cpu"))
     raise CheckpointError(f"{path} has none of the weight files {', '.join(weight_files)}")
 
 
@@ -49,7 +47,9 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
     for the caller to fill); ``ignore`` maps names the file may carry but the head does not use
     (e.g. a copy of the target's embedding) to the shape they must have.
     """
-    expected = {k: tuple(v.shape) for k, v in checkpoint_state(head).items()}  # checkpoint names
+    state_meta = checkpoint_state(head)                                       # checkpoint names
+    expected = {k: tuple(v.shape) for k, v in state_meta.items()}
+    floating = {k: v.is_floating_point() for k, v in state_meta.items()}
     ignore = ignore or {}
     loaded, problems, unexpected = StackedState(head), [], []
     names = set()
@@ -60,8 +60,11 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
         elif tuple(tensor.shape) != want:
             problems.append(f"{name} has shape {list(tensor.shape)} in the checkpoint but the head needs "
                             f"{list(want)}")
+        elif name in expected and floating[name] and not tensor.is_floating_point():
+            problems.append(f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the checkpoint; "
+                            f"the head's weights are floating point")
         elif name in expected:
-            loaded.add(name, tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None))
+            loaded.add(name, tensor.to(device=device, dtype=dtype if floating[name] else None))
             names.add(name)
     missing = sorted(set(expected) - set(state) - set(optional))
     if missing:

@@ -11,11 +11,12 @@ copies of it.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -36,30 +37,41 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; point to a Hugging Face checkpoint directory")
-    hf = json.loads(config_file.read_text())
+    hf = read_json(config_file)
     cfg = ModelConfig.from_hf(hf)
     cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
     dtype = resolve_dtype(dtype, hf)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: v.shape for k, v in checkpoint_state(model).items()}  # checkpoint names
+    tied_head = None  # a tied checkpoint's own lm_head.weight: it must equal the embedding it is tied to
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
     state, loaded = StackedState(model), set()
-    problems, unexpected, misshapen = [], [], set()
+    problems, unexpected, refused = [], [], set()
     for name, tensor in _read_tensors(path, device):
-        if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES):
             continue
-        if name not in expected:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            tied_head = tensor
+        elif name not in expected:
             unexpected.append(name)
         elif tensor.shape != expected[name]:
-            misshapen.add(name)
+            refused.add(name)
             problems.append(f"{name} has shape {list(tensor.shape)} in the checkpoint but the config "
                             f"expects {list(expected[name])}")
+        elif not tensor.is_floating_point():
+            refused.add(name)
+            problems.append(f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the checkpoint; "
+                            f"the model's weights are floating point")
         else:
-            state.add(name, tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None))
+            state.add(name, tensor.to(device=device, dtype=dtype))
             loaded.add(name)
-    missing = sorted(set(expected) - loaded - misshapen)
+    if tied_head is not None and "model.embed_tokens.weight" in loaded and not torch.equal(
+            tied_head.to(device=device, dtype=dtype), state.state["model.embed_tokens.weight"]):
+        problems.append("lm_head.weight differs from model.embed_tokens.weight but config.json says "
+                        "tie_word_embeddings: true (set it to false to use the checkpoint's lm_head)")
+    missing = sorted(set(expected) - loaded - refused)
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -101,7 +113,7 @@ def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str,
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = path / index_name
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = sorted(set(read_json(index)["weight_map"].values()))
             break
         if (path / single).is_file():
             files = [single]
@@ -112,12 +124,31 @@ def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str,
     for file in files:
         if not (path / file).is_file():
             raise CheckpointError(f"{path / file} is listed in the weight index but does not exist")
-        if file.endswith(".safetensors"):
-            with safe_open(path / file, framework="pt", device=str(device)) as f:
+        yield from read_weights(path / file, device)
+
+
+def read_json(file: Path) -> dict:
+    """A checkpoint's JSON file (config.json, a weight index)."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+
+
+def read_weights(file: Path, device: str | torch.device) -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, tensor) of one weight file: safetensors straight onto ``device``, a .bin
+    (torch.save) memory-mapped on the CPU. A file that cannot be read fails naming it."""
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         else:
-            yield from torch.load(path / file, map_location="cpu", weights_only=True, mmap=True).items()
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+    except torch.OutOfMemoryError:
+        raise
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{file} cannot be read (truncated, or not a weight file?): {e}") from None
 
 
 def save_model(model: LlamaForCausalLM, path: str | Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from specflow.config import ConfigError, component_config, load_yaml, validate
+from specflow.config import ConfigError, check_at_least, component_config, load_yaml, validate
 from specflow.models.loader import resolve_dtype
 from specflow.registry import Registry
 from specflow.train.data import DataConfig
@@ -36,6 +36,10 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 100
     batch_size: int = 16
+
+    def __post_init__(self):
+        check_at_least(self, 0, "warmup_steps")
+        check_at_least(self, 1, "batch_size")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from specflow.config import ConfigError
+from specflow.config import ConfigError, check_at_least
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
 
@@ -47,6 +47,12 @@ class DataConfig:
     generate_temperature: float = 0.0
     generate_batch_size: int = 32
     keep_corpus: bool = False
+
+    def __post_init__(self):
+        check_at_least(self, 0, "generated_tokens", "val_sequences")
+        check_at_least(self, 1, "max_files", "max_tokens", "generate_prompt_len", "generate_len",
+                       "generate_batch_size")
+        check_at_least(self, 2, "seq_len", "held_out_every")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.eagle import EagleHead, save_eagle
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
+from specflow.config import check_at_least
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import count_params, head_data, target_pass
 from specflow.train.module import TrainModule, frozen, soft_cross_entropy
@@ -39,6 +40,9 @@ class EagleRecipeConfig:
     logit_weight: float = 0.1
     noise: float = 0.2                     # width of the uniform noise added to input features
     save_dtype: str = "float32"
+
+    def __post_init__(self):
+        check_at_least(self, 1, "num_layers")
 
 
 def new_eagle_head(target: LlamaForCausalLM, num_layers: int, bias: bool) -> EagleHead:

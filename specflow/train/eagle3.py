@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specflow.config import ConfigError
+from specflow.config import ConfigError, check_at_least
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.eagle3 import Eagle3Head, save_eagle3
 from specflow.models.loader import resolve_dtype
@@ -39,6 +39,9 @@ class Eagle3RecipeConfig:
     decay: float = 0.8                     # step k's loss weight is decay ** k
     init_lm_head: bool = True              # start the draft lm_head from the target's rows
     save_dtype: str = "float32"
+
+    def __post_init__(self):
+        check_at_least(self, 1, "draft_vocab_size", "unroll")
 
 
 def draft_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:

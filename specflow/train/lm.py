@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoTokenizer
 
-from specflow.config import ConfigError
+from specflow.config import ConfigError, check_at_least
 from specflow.models import LlamaForCausalLM, ModelConfig, load_model, save_model
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
@@ -35,6 +35,10 @@ class ModelShape:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+
+    def __post_init__(self):
+        check_at_least(self, 1, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                       "max_position_embeddings")
 
 
 def build_llama(shape: ModelShape, vocab_size: int, eos_token_id: int, seed: int) -> LlamaForCausalLM:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.loader import resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
+from specflow.config import check_at_least
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import count_params, head_data, target_pass
 from specflow.train.module import TrainModule, frozen
@@ -30,6 +31,9 @@ class MedusaRecipeConfig:
     num_layers: int = 1
     decay: float = 0.8                     # head i's loss weight is decay ** i
     save_dtype: str = "float32"
+
+    def __post_init__(self):
+        check_at_least(self, 1, "num_heads", "num_layers")
 
 
 def new_medusa_heads(target: LlamaForCausalLM, num_heads: int, num_layers: int) -> MedusaHeads:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from specflow.config import build_component, dump_yaml
+from specflow.config import ConfigError, build_component, dump_yaml
 from specflow.train.config import RECIPES, TrainConfig
 
 
@@ -28,24 +28,28 @@ class TrainResult:
 def train(run: TrainConfig) -> TrainResult:
     """Fit the recipe with Lightning, then export the checkpoint and the loss curves."""
     import lightning as L
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.loggers import CSVLogger
 
     if run.trainer.num_threads is not None:
         torch.set_num_threads(run.trainer.num_threads)
     L.seed_everything(run.seed, workers=True, verbose=False)
     recipe = build_component(RECIPES, run.recipe, "train.recipe")
-    job = recipe.setup(run)
     log_dir = Path(run.log_dir or Path("runs/train") / run.name)
     t = run.trainer
-    trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
-        precision=t.precision, max_steps=t.max_steps, max_time=t.max_time,
-        val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
-        limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
-        gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, logger=CSVLogger(str(log_dir), name="", version=""),
-        default_root_dir=str(log_dir))
+    try:  # before the recipe's setup (minutes: the target, the corpus), so a bad setting costs nothing
+        trainer = L.Trainer(
+            accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+            precision=t.precision, max_steps=t.max_steps, max_time=t.max_time,
+            val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
+            limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
+            gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, enable_model_summary=False,
+            num_sanity_val_steps=0, logger=CSVLogger(str(log_dir), name="", version=""),
+            default_root_dir=str(log_dir))
+    except (MisconfigurationException, ValueError, TypeError) as e:
+        raise ConfigError(f"train.trainer: {e}") from None
+    job = recipe.setup(run)
     g = torch.Generator().manual_seed(run.seed)
     train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, shuffle=True,
                               drop_last=True, generator=g, num_workers=t.num_workers)

@@ -89,3 +89,16 @@ def test_bad_configs_name_the_problem():
         ModelConfig.from_hf({**LLAMA, "hidden_act": "gelu"})
     with pytest.raises(CheckpointError, match="multiple of num_key_value_heads"):
         ModelConfig.from_hf({**LLAMA, "num_key_value_heads": 3})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers must be a positive integer, got 2.0"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"eos_token_id": [2, "3"]}, r"eos_token_id must be a token id or a list of them, got \[2, '3'\]"),
+])
+def test_values_of_the_wrong_type_name_the_key(change, message):
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        ModelConfig.from_hf({**LLAMA, **change})

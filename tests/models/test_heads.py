@@ -131,6 +131,14 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path, target):
         load_medusa(write_checkpoint(tmp_path / "m", {}, state, "safetensors"), target)
 
 
+def test_integer_weights_are_refused(tmp_path, target):  # (EAGLE-3's integer d2t / t2d tables load)
+    hf = head_hf(target.config)
+    state = eagle_state(hf)
+    state["fc.weight"] = state["fc.weight"].long()
+    with pytest.raises(CheckpointError, match="fc.weight is int64 in the checkpoint; the head's weights are floating"):
+        load_eagle(write_checkpoint(tmp_path, hf, state, "safetensors"), target)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": 32}, "hidden_size is 32 but the target's is 64"),
     ({"vocab_size": 1000}, "vocab_size is 1000 but the target's is 320"),

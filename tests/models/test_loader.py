@@ -130,6 +130,42 @@ def test_tied_checkpoint_may_omit_or_include_lm_head(tiny_checkpoint):
     assert_same_weights(load_model(path), hf)
 
 
+def test_tied_checkpoint_with_its_own_lm_head_is_refused(tiny_checkpoint):
+    """(transformers would tie it and drop the checkpoint's lm_head without a word)"""
+    _, path = tiny_checkpoint("tied")
+    rewrite_weights(path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"] + 1}))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight but "
+                                              "config.json says tie_word_embeddings: true"):
+        load_model(path)
+
+
+def test_integer_weights_are_refused(tiny_checkpoint):
+    _, path = tiny_checkpoint("llama")
+    rewrite_weights(path, lambda s: s.update({"model.norm.weight": s["model.norm.weight"].long()}))
+    with pytest.raises(CheckpointError, match="model.norm.weight is int64 in the checkpoint; the model's "
+                                              "weights are floating point"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize("damage", ["truncated", "not weights"])
+def test_unreadable_files_are_named(tiny_checkpoint, weights, damage):
+    hf, path = tiny_checkpoint("llama")
+    if weights == "pytorch_model.bin":
+        (path / "model.safetensors").unlink()
+        torch.save(dict(hf.state_dict()), path / weights)
+    file = path / weights
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:-100])
+    else:
+        file.write_bytes(b"hello")
+    with pytest.raises(CheckpointError, match=f"{file} cannot be read"):
+        load_model(path)
+    (path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        load_model(path)
+
+
 def test_unsupported_model_type_names_it_and_the_supported_ones(tiny_checkpoint):
     _, path = tiny_checkpoint("llama")
     config = json.loads((path / "config.json").read_text())

@@ -43,6 +43,31 @@ def test_settings_read_after_training_fail_before_it(override, named):
         load_train_config(CONFIGS[0].parent / "eagle.yaml", [override])
 
 
+@pytest.mark.parametrize("config, override, named", [
+    ("medusa", "recipe.num_heads=0", r"train.recipe \(recipe 'medusa'\): num_heads must be >= 1, got 0"),
+    ("eagle3", "recipe.draft_vocab_size=0", "draft_vocab_size must be >= 1, got 0"),
+    ("eagle", "recipe.num_layers=0", "num_layers must be >= 1, got 0"),
+    ("target", "recipe.model.num_heads=0", "num_heads must be >= 1, got 0"),
+    ("eagle", "optim.batch_size=0", "train.optim: batch_size must be >= 1, got 0"),
+    ("eagle", "data.seq_len=1", "train.data: seq_len must be >= 2, got 1"),
+])
+def test_bad_values_name_the_setting(config, override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_train_config(CONFIGS[0].parent / f"{config}.yaml", [override])
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"precision": "17-bits"}, "train.trainer: Precision '17-bits' is invalid"),
+    ({"accelerator": "abacus"}, "train.trainer: .*abacus"),
+])
+def test_lightning_settings_fail_before_the_recipe_setup(override, named, tmp_path):
+    """(the eagle recipe's setup would fail for want of a target: the trainer's error comes first)"""
+    cfg = validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": "eagle"}, "trainer": override},
+                   "train")
+    with pytest.raises(ConfigError, match=named):
+        train(cfg)
+
+
 @pytest.mark.parametrize("recipe", ["distill", "eagle", "eagle3", "medusa"])
 def test_recipes_that_read_a_target_say_so(recipe, tmp_path):
     cfg = validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": recipe}}, "train")

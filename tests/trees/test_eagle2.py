@@ -35,6 +35,7 @@ def tree_paths(tree, r: int) -> set:
 @given(topk=st.integers(1, 4), depth=st.integers(1, 4), n=st.integers(1, 20), batch=st.integers(1, 3),
        seed=st.integers(0, 2**16), ties=st.booleans(), max_children=st.sampled_from([None, 1, 2]))
 def test_eagle2_matches_the_reference_beam_and_rerank(topk, depth, n, batch, seed, ties, max_children):
+    n = min(n, max_nodes(topk, depth))
     drafter = TableDrafter(vocab=6, seed=seed, ties=ties, max_children=max_children)
     roots = make_roots(batch, 6, seed)
     tree = Eagle2Builder(topk=topk, depth=depth, num_draft_tokens=n).build(drafter, roots)
@@ -47,6 +48,7 @@ def test_eagle2_matches_the_reference_beam_and_rerank(topk, depth, n, batch, see
 @given(topk=st.integers(1, 4), depth=st.integers(1, 4), n=st.integers(2, 24), seed=st.integers(0, 2**16),
        ties=st.booleans(), nan_rate=st.sampled_from([0.2, 0.5]), max_children=st.sampled_from([None, 1]))
 def test_rerank_keeps_every_ancestor_with_ties_and_nans(topk, depth, n, seed, ties, nan_rate, max_children):
+    n = min(n, max_nodes(topk, depth))
     drafter = TableDrafter(vocab=5, seed=seed, ties=ties, nan_rate=nan_rate, max_children=max_children)
     roots = make_roots(3, 5, seed)
     tree = Eagle2Builder(topk=topk, depth=depth, num_draft_tokens=n).build(drafter, roots)
@@ -61,12 +63,22 @@ def test_frontier_is_the_root_then_topk_nodes():
     assert [c.tree.num_nodes for c in drafter.calls] == [1, 4, 13, 22]  # all candidates so far
 
 
+def max_nodes(topk: int, depth: int) -> int:
+    return 1 + topk + (depth - 1) * topk * topk
+
+
+def test_budget_is_capped_at_the_candidates():
+    assert Eagle2Builder(topk=2, depth=2, num_draft_tokens=8).num_draft_tokens == max_nodes(2, 2) == 7
+    assert Eagle2Builder(topk=1, depth=5, num_draft_tokens=16).num_draft_tokens == 6  # a chain
+    assert Eagle2Builder(topk=8, depth=5, num_draft_tokens=64).num_draft_tokens == 64
+
+
 def test_budget_beyond_the_candidates_is_padding():
-    drafter = TableDrafter(vocab=10, seed=4)
+    drafter = TableDrafter(vocab=10, seed=4, max_children=1)  # one child a node: 1 + 1 + 1 candidates
     roots = make_roots(2, 10)
-    tree = Eagle2Builder(topk=2, depth=2, num_draft_tokens=10).build(drafter, roots)  # 2 + 4 candidates
-    check_built_tree(tree, 10, roots, drafter)
-    assert tree.valid.sum(1).tolist() == [7, 7]
+    tree = Eagle2Builder(topk=2, depth=2, num_draft_tokens=7).build(drafter, roots)
+    check_built_tree(tree, 7, roots, drafter)
+    assert tree.valid.sum(1).tolist() == [3, 3]
 
 
 @pytest.mark.parametrize("kwargs, match", [
