@@ -3,6 +3,6 @@
 ``specflow serve CONFIG`` runs it; ``build_app`` makes the ASGI app over an engine you built.
 """
 
-from specflow.serve.app import ServeConfig, build_app, load_serve_config, run_server
+from specflow.serve.app import RequestLimits, ServeConfig, build_app, load_serve_config, run_server
 
-__all__ = ["ServeConfig", "build_app", "load_serve_config", "run_server"]
+__all__ = ["RequestLimits", "ServeConfig", "build_app", "load_serve_config", "run_server"]

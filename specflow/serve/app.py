@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,11 +34,27 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 @dataclass
+class RequestLimits:
+    """What one request may ask of the server: a body larger than ``max_request_bytes`` is a 413,
+    and a ``/v1/completions`` request lists at most ``max_prompts`` prompts (each takes ``n``
+    engine requests)."""
+
+    max_request_bytes: int = 16 * 2**20   # 16 MiB: text of millions of tokens, past any context
+    max_prompts: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1 or self.max_prompts < 1:
+            raise ConfigError(f"max_request_bytes and max_prompts must be >= 1, got {self}")
+
+
+@dataclass
 class ServeConfig:
-    """A serve YAML: the model id that clients name (default: the target directory's name) and
-    the engine behind it (``spec_max_batch_size`` turns speculation off for larger batches)."""
+    """A serve YAML: the model id that clients name (default: the target directory's name), the
+    request limits, and the engine behind it (``spec_max_batch_size`` turns speculation off for
+    larger batches)."""
 
     name: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -64,6 +80,39 @@ class ApiKeyAuth:
                 await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """Answers 413 to a request whose body is larger than ``max_bytes``: before reading any of it
+    when its Content-Length says so, else as soon as the bytes read pass the limit (a chunked body)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = int(dict(scope["headers"]).get(b"content-length", 0))
+        read = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal read
+            if declared > self.max_bytes:
+                raise self._too_large()
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+    def _too_large(self) -> HTTPException:
+        # FastAPI passes an HTTPException raised while it reads the body on to _http_error
+        return HTTPException(413, f"the request body is larger than this server's limit of {self.max_bytes} "
+                                  "bytes (limits.max_request_bytes)")
 
 
 class CountResponses:
@@ -142,14 +191,16 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None,
+              limits: RequestLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``engine``; the engine thread runs for the app's lifespan."""
     if engine.tokenizer is None:
         raise ConfigError("serving needs a tokenizer: the target directory has no tokenizer files")
+    limits = limits or RequestLimits()
     num_nodes = engine.tree_builder.num_draft_tokens if engine.drafter is not None else 1
     metrics = Metrics(max_accept_length=num_nodes, num_kv_pages=engine.runner.cache.allocator.num_pages)
     loop = EngineLoop(engine, metrics)
-    serving = OpenAIServing(loop, model_name)
+    serving = OpenAIServing(loop, model_name, limits.max_prompts)
     created = int(time.time())
 
     @asynccontextmanager
@@ -164,6 +215,7 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None) -
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(EngineNotRunning, _engine_not_running)
+    app.add_middleware(LimitBody, max_bytes=limits.max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(CountResponses, metrics=metrics)
@@ -211,7 +263,7 @@ def run_server(config: str | Path, overrides: list[str] | None = None, *, host: 
     cfg = load_serve_config(config, overrides)
     engine = SpecEngine.from_config(cfg.engine)
     name = cfg.name or Path(cfg.engine.target).name
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, cfg.limits)
     log.info("serving '%s' (%s) on http://%s:%d", name, engine.pipeline.describe(), host, port)
     # uvicorn's own graceful timeout only bounds the last writes: the engine has ended every request
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -63,9 +63,10 @@ async def _wait_disconnect(request: Request) -> None:
 class OpenAIServing:
     """The two generation endpoints over one engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str):
+    def __init__(self, loop: EngineLoop, model_name: str, max_prompts: int):
         self.loop = loop
         self.model_name = model_name
+        self.max_prompts = max_prompts
         self.tokenizer = loop.engine.tokenizer
         self.context_len = loop.engine.model.config.max_position_embeddings
         self._token_text: dict[int, str] = {}
@@ -76,7 +77,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompts = [self.loop.engine.encode(p) for p in body.prompts()]
+        prompts = await self._prompt_ids(body)
         choices = [(ids, self._params(body, body.max_new_tokens, body.logprobs, i))
                    for ids in prompts for i in range(body.n)]
         sub = await self._submit(choices, "prompt")
@@ -107,7 +108,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        ids = self._render_chat(body)
+        ids = await asyncio.to_thread(self._render_chat, body)
         max_tokens = body.max_new_tokens or max(1, self.context_len - len(ids))
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         sub = await self._submit([(ids, self._params(body, max_tokens, top_n, i)) for i in range(body.n)],
@@ -146,27 +147,35 @@ class OpenAIServing:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
+    async def _prompt_ids(self, body: CompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids. Tokenizing runs on a worker thread: a long text would hold up
+        the event loop, and every stream on it, for as long as it takes."""
+        prompts = body.prompts()
+        if len(prompts) > self.max_prompts:
+            raise ApiError(400, f"prompt lists {len(prompts)} prompts; this server takes at most "
+                                f"{self.max_prompts} per request", param="prompt")
+        return await asyncio.to_thread(lambda: [self.loop.engine.encode(p) for p in prompts])
+
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        """The prompt token ids of a conversation, through the tokenizer's chat template."""
+        """The prompt token ids of a conversation, through the tokenizer's chat template (called on
+        a worker thread, as tokenizing is)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model '{self.model_name}' has no chat template; add a 'chat_template' "
                                 "to its tokenizer_config.json, or use /v1/completions with a plain prompt",
                            param="messages", code="chat_template_missing")
-        from jinja2 import TemplateError
-
         try:
             text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
                                                       tokenize=False, add_generation_prompt=True)
-        except TemplateError as e:
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        except Exception as e:   # the checkpoint's own template code failed on these messages
+            raise ApiError(400, f"the chat template of '{self.model_name}' cannot render these messages: "
+                                f"{type(e).__name__}: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
 
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """Choice ``i`` of ``n`` samples with seed ``seed + i``, so choices differ but reproduce."""
         return SamplingParams(
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            max_tokens=max_tokens, seed=None if body.seed is None else body.seed + choice, stop=body.stop,
+            max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
             ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs)
 
     async def _submit(self, choices: list[tuple[list[int], SamplingParams]], param: str) -> Submission:

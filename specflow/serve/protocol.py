@@ -8,6 +8,7 @@ and ``usage.accept_length`` (tokens committed per speculative step) in responses
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20   # OpenAI's bound for top_logprobs
 MAX_N = 16          # each choice is one engine request, so n costs n batch slots
 MAX_STOP = 16
+SEED_RANGE = 2**63        # seeds wrap into the range the engine draws its own from (make_generator)
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 
@@ -43,7 +45,7 @@ class SamplingFields(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, lt=2**31)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63 - MAX_N)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)   # any int64, as OpenAI and vLLM take
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -81,6 +83,11 @@ class SamplingFields(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    def choice_seed(self, choice: int) -> int | None:
+        """Choice ``i`` samples with seed ``seed + i`` wrapped into ``[0, 2^63)``, so that choices
+        differ and reproduce whatever int64 the seed is."""
+        return None if self.seed is None else (self.seed + choice) % SEED_RANGE
+
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
@@ -113,16 +120,60 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str   # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_input(self) -> dict:
+        """The call as chat templates read it: ``arguments`` a mapping (transformers' convention,
+        which vLLM follows). Text that is no JSON object becomes ``{}``, as in vLLM, so that a
+        conversation holding one malformed call can go on."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = {}
+        return {"id": self.id, "type": self.type, "function": {
+            "name": self.function.name, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
 class ChatMessage(_Strict):
+    """One message of a conversation. ``tool_calls`` (assistant) and ``tool_call_id`` (tool) carry
+    a tool-use conversation to the chat template; the server makes no tool calls itself."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs the tool_call_id of the call it answers, and only it takes one")
+        return self
 
     def as_template_input(self) -> dict:
+        """The message as ``apply_chat_template`` takes it: the content as one text, and the
+        optional fields only when given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -18,12 +18,21 @@ from tests.serve.server import ServerProcess, write_serve_config  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny-chat"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+# renders tool calls (arguments a mapping, as transformers has them) and refuses two in one turn,
+# as some real templates do
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}{% if m['name'] is defined %}:{{ m['name'] }}{% endif %}|>"
+                 "{% if m['tool_call_id'] is defined %}[{{ m['tool_call_id'] }}]{% endif %}{{ m['content'] }}"
+                 "{% if m['tool_calls'] is defined %}{% if m['tool_calls'] | length > 1 %}"
+                 "{{ raise_exception('this model makes one tool call per turn') }}{% endif %}"
+                 "{% for c in m['tool_calls'] %}[{{ c['id'] }}]{{ c['function']['name'] }}"
+                 "{{ c['function']['arguments'] | tojson }}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 # Small on purpose: 32 requests of ~10 prompt + 24 new + 6 draft tokens need ~1300 slots at once,
 # so most of them wait in the queue for pages.
 KV_CACHE_TOKENS = 512
 NUM_DRAFT_TOKENS = 6
+MAX_PROMPTS = 8
+MAX_REQUEST_BYTES = 2**21
 
 
 @pytest.fixture(scope="package")
@@ -40,9 +49,10 @@ def chat_target(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="package")
 def server(chat_target, tmp_path_factory):
     """The target drafts for itself (a draft model that always agrees at temperature 0), so
-    speculative steps commit several tokens; API key on; a small KV cache."""
+    speculative steps commit several tokens; API key on; a small KV cache; small request limits."""
     config = write_serve_config(
-        tmp_path_factory.mktemp("serve") / "speculative.yaml", MODEL, target=str(chat_target),
+        tmp_path_factory.mktemp("serve") / "speculative.yaml", MODEL,
+        limits={"max_prompts": MAX_PROMPTS, "max_request_bytes": MAX_REQUEST_BYTES}, target=str(chat_target),
         drafter={"type": "draft_model", "path": str(chat_target)},
         tree={"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": NUM_DRAFT_TOKENS},
         verifier={"type": "rejection"}, kv_cache_tokens=KV_CACHE_TOKENS, spec_max_batch_size=8)

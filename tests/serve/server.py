@@ -22,10 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_serve_config(path: Path, name: str, **engine) -> Path:
-    """A serve YAML for model id ``name`` on CPU; ``engine`` holds the EngineConfig fields."""
+def write_serve_config(path: Path, name: str, limits: dict | None = None, **engine) -> Path:
+    """A serve YAML for model id ``name`` on CPU; ``limits`` holds RequestLimits fields (default:
+    none), ``engine`` the EngineConfig fields."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create({"name": name, "engine": {"device": "cpu", "dtype": "float32", **engine}}), path)
+    config = {"name": name, "limits": limits or {}, "engine": {"device": "cpu", "dtype": "float32", **engine}}
+    OmegaConf.save(OmegaConf.create(config), path)
     return path
 
 

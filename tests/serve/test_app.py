@@ -1,6 +1,6 @@
 """The HTTP surface of the speculative server: models / health / metrics, OpenAI-style 4xx errors
-for every bad input while a good request is served alongside, the API key, and client
-disconnects returning their KV pages at once."""
+for every bad input while a good request is served alongside, request limits, tokenizing off the
+event loop, the API key, and client disconnects returning their KV pages at once."""
 
 import json
 import time
@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import API_KEY, MODEL
+from tests.serve.conftest import API_KEY, MAX_PROMPTS, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
 
@@ -32,6 +32,11 @@ BAD = [
     ("empty messages", "chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("unknown role", "chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
      400, "messages.0.role"),
+    ("tool message without tool_call_id", "chat/completions",
+     {"model": MODEL, "messages": [{"role": "tool", "content": "3"}]}, 400, "messages.0"),
+    ("tool_calls on a user message", "chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
+     400, "messages.0"),
     ("temperature > 2", "completions", {**GOOD, "temperature": 3}, 400, "temperature"),
     ("top_p = 0", "completions", {**GOOD, "top_p": 0}, 400, "top_p"),
     ("top_k = 0", "completions", {**GOOD, "top_k": 0}, 400, "top_k"),
@@ -40,7 +45,8 @@ BAD = [
     ("n = 0", "completions", {**GOOD, "n": 0}, 400, "n"),
     ("max_tokens = 0", "completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("logprobs > 20", "completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
-    ("negative seed", "completions", {**GOOD, "seed": -1}, 400, "seed"),
+    ("seed beyond int64", "completions", {**GOOD, "seed": 2**63}, 400, "seed"),
+    ("seed below int64", "completions", {**GOOD, "seed": -2**63 - 1}, 400, "seed"),
     ("empty stop string", "completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("penalty", "completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("stream_options without stream", "completions", {**GOOD, "stream_options": {"include_usage": True}},
@@ -52,6 +58,10 @@ BAD = [
     ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 5000}, 400, "context length"),
     ("prompt larger than the KV cache", "completions", {**GOOD, "prompt": [7] * 600}, 400, "KV cache"),
     ("token id outside the vocabulary", "completions", {**GOOD, "prompt": [1, 2, 100000]}, 400, "vocabulary"),
+    ("more prompts than limits.max_prompts", "completions", {**GOOD, "prompt": ["x"] * (MAX_PROMPTS + 1)},
+     400, "prompt"),
+    ("body over limits.max_request_bytes", "completions", {**GOOD, "prompt": "x" * MAX_REQUEST_BYTES},
+     413, "limits.max_request_bytes"),
 ]
 
 
@@ -89,6 +99,47 @@ def test_bad_inputs_are_openai_errors_while_a_good_request_is_served(server):
     events = [line[6:] for line in good.result().text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+def test_chunked_body_over_the_limit_is_413(server):
+    """A body without Content-Length is cut off once the bytes read pass the limit."""
+    chunks = (b"x" * 2**16 for _ in range(MAX_REQUEST_BYTES // 2**16 + 1))
+    response = httpx.post(server.url + "/v1/completions", content=chunks, timeout=120,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413 and "limits.max_request_bytes" in response.json()["error"]["message"]
+
+
+LONG_TEXT = "def f(x):\n    return x * 2\n" * 20000   # half a MiB: the better part of a second to tokenize
+
+
+@pytest.mark.parametrize("endpoint, long_request", [
+    ("completions", {**GOOD, "prompt": LONG_TEXT}),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG_TEXT}]})])
+def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, endpoint, long_request):
+    """Tokenizing (and rendering a chat) runs on a worker thread: a stream running alongside keeps
+    its pace (on the event loop it would stall for all of it), and the long prompt still gets
+    its 400."""
+    arrivals = []
+
+    def stream() -> None:
+        body = {**GOOD, "max_tokens": 480, "stream": True, "speculative": False}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.perf_counter())
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream)
+        while not arrivals and not streaming.done():
+            time.sleep(0.01)
+        start = time.perf_counter()
+        response = post(server.url, endpoint, long_request)
+        end = time.perf_counter()
+        streaming.result()
+    assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+    stall = max(b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end)
+    assert stall < (end - start) / 4, (stall, end - start)
 
 
 def test_openai_client_raises_typed_errors(client):

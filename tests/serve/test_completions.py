@@ -1,13 +1,16 @@
 """Generation through the real `openai` client against the speculative server: the same text as
-plain decoding in-process, streaming equal to non-streaming, chat templates, n / seed, logprobs
-under speculation, and 32 concurrent requests under KV pressure equal to sequential ones."""
+plain decoding in-process, streaming equal to non-streaming, chat templates (tool-use
+conversations too), n / seed, logprobs under speculation, and 32 concurrent requests under KV
+pressure equal to sequential ones."""
 
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 
 from specflow import SamplingParams, SpecEngine
+from specflow.request import RequestOutput
 from tests.serve.conftest import KV_CACHE_TOKENS, MODEL, NUM_DRAFT_TOKENS
 
 pytestmark = pytest.mark.xdist_group("serve")
@@ -78,14 +81,41 @@ def test_completion_stream_equals_non_streaming(client, stop):
             assert full.choices[0].finish_reason == "stop" and kwargs["stop"][0] not in full.choices[0].text
 
 
+def plain_chat(reference: SpecEngine, messages: list[dict]) -> RequestOutput:
+    """Plain greedy decoding of ``messages`` rendered by the same chat template, in this process."""
+    prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return reference.generate([reference.tokenizer.encode(prompt, add_special_tokens=False)],
+                              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+
+
 def test_chat_renders_the_template(client, reference):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
-    prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ref = reference.generate([reference.tokenizer.encode(prompt, add_special_tokens=False)],
-                             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    ref = plain_chat(reference, messages)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+ADD_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+
+
+def test_chat_renders_tool_calls_and_results(client, reference):
+    """A tool-use conversation reaches the template as transformers renders it: the assistant's
+    ``tool_calls`` with their arguments as a mapping, the tool's ``tool_call_id`` and ``name``."""
+    messages = [{"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": None, "tool_calls": [ADD_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": [{"type": "text", "text": "3"}]}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    ref = plain_chat(reference, [
+        messages[0],
+        {"role": "assistant", "content": "", "tool_calls": [
+            {**ADD_CALL, "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "3"}])
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+    two_calls = [messages[0], {"role": "assistant", "tool_calls": [ADD_CALL, {**ADD_CALL, "id": "call_2"}]}]
+    with pytest.raises(openai.BadRequestError, match="cannot render these messages.*one tool call per turn"):
+        client.chat.completions.create(model=MODEL, messages=two_calls, **GREEDY)
 
 
 def test_chat_stream_equals_non_streaming(client):
@@ -109,6 +139,17 @@ def test_n_choices_use_consecutive_seeds(client):
     assert len({c.text for c in many.choices}) > 1
     second = client.completions.create(**{**kwargs, "seed": 12})
     assert second.choices[0].text == many.choices[1].text
+
+
+def test_any_int64_seed_wraps_into_the_generator_range(client):
+    """OpenAI takes negative seeds too: choice i samples with (seed + i) mod 2^63."""
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0}
+    many = client.completions.create(n=2, seed=-1, **kwargs)
+    again = client.completions.create(n=2, seed=-1, **kwargs)
+    assert [c.text for c in many.choices] == [c.text for c in again.choices]
+    assert many.choices[0].text != many.choices[1].text
+    assert client.completions.create(seed=2**63 - 1, **kwargs).choices[0].text == many.choices[0].text
+    assert client.completions.create(seed=0, **kwargs).choices[0].text == many.choices[1].text
 
 
 # a tree's forward and a decode step sum in other orders: float32 logprobs differ by ~1e-5 (torch 2.5)

@@ -6,7 +6,7 @@ import pytest
 
 from specflow.config import ConfigError, build_component, component_config
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
-from specflow.serve import load_serve_config
+from specflow.serve import RequestLimits, load_serve_config
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
 
@@ -20,6 +20,17 @@ def test_shipped_serve_config_validates():
     component_config(DRAFTERS, cfg.engine.drafter, "engine.drafter")
     build_component(TREE_BUILDERS, cfg.engine.tree, "engine.tree")
     build_component(VERIFIERS, cfg.engine.verifier, "engine.verifier")
+
+
+def test_request_limits_default_and_override():
+    cfg = load_serve_config(SERVE_YAML)
+    assert cfg.limits == RequestLimits(max_request_bytes=16 * 2**20, max_prompts=64)
+    cfg = load_serve_config(SERVE_YAML, ["limits.max_prompts=8", "limits.max_request_bytes=1024"])
+    assert cfg.limits == RequestLimits(max_request_bytes=1024, max_prompts=8)
+    with pytest.raises(ConfigError, match="unknown key 'max_body'"):
+        load_serve_config(SERVE_YAML, ["limits.max_body=1"])
+    with pytest.raises(ConfigError, match="serve.limits: max_request_bytes and max_prompts must be >= 1"):
+        load_serve_config(SERVE_YAML, ["limits.max_prompts=0"])
 
 
 def test_overrides_and_typos():
