@@ -84,6 +84,8 @@ class DraftTree:
     mask: Tensor | None = None         # [B, N, N] bool ancestor-or-self
     draft_probs: Tensor | None = None  # [B, N, V] q over the children of each node (sampled drafts)
     max_depth: int | None = None       # a bound on every node's depth known on the host (None: read ``depth``)
+    max_tries: int | None = None       # a bound, known on the host, on the children a walk from the root
+                                       # tries: accepted ones and rejected siblings (None: N - 1)
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +110,7 @@ class DraftTree:
             sampled=torch.zeros((b, 1), dtype=torch.bool, device=roots.tokens.device),
             mask=torch.ones((b, 1, 1), dtype=torch.bool, device=roots.tokens.device),
             max_depth=0,
+            max_tries=0,
         )
 
     def to(self, device: torch.device) -> "DraftTree":
@@ -144,7 +147,7 @@ class DraftTree:
         bound = None if self.max_depth is None else max(self.max_depth, 1)
         return DraftTree(grow(self.tokens, 0), grow(self.parents, 0), depth, self.positions[:, :1] + depth,
                          grow(self.scores, 0.0), grow(self.valid, False), grow(self.sampled, False),
-                         None, probs).with_mask(bound)
+                         None, probs, max_tries=self.max_tries).with_mask(bound)  # (padding is no child)
 
     def place(self, rows: list[int], sub: "DraftTree") -> "DraftTree":
         """A copy of this tree with rows ``rows`` replaced by the rows of ``sub`` (same N), on
@@ -160,7 +163,9 @@ class DraftTree:
         if sub.draft_probs is not None:
             out.draft_probs = sub.draft_probs.new_zeros(self.batch_size, *sub.draft_probs.shape[1:]).index_copy(
                 0, index.to(sub.draft_probs.device), sub.draft_probs)
-        out.max_depth = None if None in (base.max_depth, sub.max_depth) else max(base.max_depth, sub.max_depth)
+        for bound in ("max_depth", "max_tries"):
+            values = (getattr(base, bound), getattr(sub, bound))
+            setattr(out, bound, None if None in values else max(values))
         return out
 
     def with_mask(self, depth: int | None = None) -> "DraftTree":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,13 @@ def check_choices(choices: list[list[int]], sample: bool) -> list[tuple[int, ...
     return sorted(paths, key=lambda p: (len(p), p))
 
 
+def walk_bound(choices: list[tuple[int, ...]]) -> int:
+    """The most children a walk from the root tries (``DraftTree.max_tries``): reaching node x tries
+    rank + 1 children at each step of its path, then x's own children are tried, all rejected."""
+    children = collections.Counter(p[:-1] for p in choices)
+    return max(sum(r + 1 for r in p) + children[p] for p in [(), *choices])
+
+
 @TREE_BUILDERS.register("static", config=StaticConfig)
 class StaticBuilder:
     """A fixed tree of rank paths: path [0, 2] is the third child of the first child of the root.
@@ -93,6 +102,7 @@ class StaticBuilder:
         self.choices = check_choices(PRESETS[preset] if preset is not None else choices, sample)
         self.num_draft_tokens = len(self.choices) + 1
         self.levels = self._plan()
+        self.max_tries = walk_bound(self.choices)
 
     @classmethod
     def from_config(cls, cfg: StaticConfig, **_) -> "StaticBuilder":
@@ -121,4 +131,4 @@ class StaticBuilder:
             pick = torch.tensor(level.pick, device=dev)                      # [M]
             grow.add(nodes[:, pick // level.k], tokens.flatten(1)[:, pick],
                      logprobs.flatten(1)[:, pick], sampled.flatten(1)[:, pick])
-        return grow.finish()
+        return dataclasses.replace(grow.finish(), max_tries=self.max_tries)

@@ -65,7 +65,7 @@ class RejectionVerifier:
         """The rule over ``probs`` [B, N, V] with coin ``u[b, x]`` for child x and ``u[b, N]``
         for the bonus. Each iteration every request tries one child: the first child of the
         node it just accepted, or the next sibling of the child it just rejected. A child is
-        tried at most once, so N - 1 iterations finish every walk."""
+        tried at most once, so N - 1 iterations finish every walk, or ``tree.max_tries`` of them."""
         (b, n, _), dev = probs.shape, probs.device
         # (one copy of what lies on the host, no wait; a host drafter's q [B, N, V] with it)
         tokens, parents, valid, sampled, depth, draft = to_device(
@@ -79,7 +79,7 @@ class RejectionVerifier:
         d = tree.depth_bound()
         path = torch.full((b, d + 2), -1, dtype=torch.long, device=dev)           # [B, D + 2] by depth; D + 1: a sink
         path[:, 0] = 0
-        for _ in range(n - 1):
+        for _ in range(n - 1 if tree.max_tries is None else min(tree.max_tries, n - 1)):
             c = child.clamp(min=0)
             x, coin, drawn = tokens[rows, c], u[rows, c], sampled[rows, c]       # [B] each
             px, qx = p[rows, x], q[rows, x]

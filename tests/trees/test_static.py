@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from specflow.config import build_component
 from specflow.registry import TREE_BUILDERS
+from specflow.tree import DraftTree
 from tests.trees.table_drafter import TableDrafter, check_built_tree, make_roots
+from tests.verifiers.test_rejection import most_tries
 from trees.static import PRESETS, StaticBuilder
 
 
@@ -26,7 +28,7 @@ def test_preset_tree_has_the_choices_shape_and_rank_tokens(preset):
     roots = make_roots(2, 16)
     tree = builder.build(drafter, roots)
     check_built_tree(tree, builder.num_draft_tokens, roots, drafter)
-    assert tree.valid.all()
+    assert tree.valid.all() and tree.max_tries == most_tries(tree)  # (6 and 12: N - 1 is 25 and 63)
     node = {(): 0} | {p: i + 1 for i, p in enumerate(builder.choices)}
     for path, i in node.items():
         if not path:
@@ -60,10 +62,21 @@ def test_random_choices_build_valid_trees(seed, batch, max_children, sample, dat
     roots = make_roots(batch, 6, seed, greedy=[r == 0 for r in range(batch)])
     tree = builder.build(drafter, roots)
     check_built_tree(tree, len(paths) + 1, roots, drafter)
+    assert most_tries(tree) <= tree.max_tries and (most_tries(tree) == tree.max_tries or not tree.valid.all())
     drafted = tree.valid.clone()
     drafted[:, 0] = False  # every valid node but the root was drafted
     assert not tree.sampled[0].any()  # request 0 is greedy: top-k picks
     assert torch.equal(tree.sampled[1:], drafted[1:] if sample else torch.zeros_like(drafted[1:]))
+
+
+def test_rows_placed_beside_plain_rows_keep_the_walk_bound():
+    """(the engine's step when some requests do not speculate: root-only rows padded to N)"""
+    builder = StaticBuilder(preset="mc_sim_7b_63", sample=True)
+    roots = make_roots(3, 16)
+    tree = builder.build(TableDrafter(vocab=16, seed=1), roots.select([0, 2]))
+    mixed = DraftTree.root_only(roots).pad_to(builder.num_draft_tokens).place([0, 2], tree)
+    assert mixed.max_tries == tree.max_tries == most_tries(mixed) == 6
+    assert torch.equal(mixed.tokens[[0, 2]], tree.tokens) and mixed.to(torch.device("cpu")).max_tries == 6
 
 
 def test_missing_prefix_names_the_path_and_the_prefix():

@@ -103,20 +103,38 @@ def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray) -> list[
     return out
 
 
+def most_tries(tree: DraftTree) -> int:
+    """Reference ``max_tries``: over every request and valid node x, the children tried to reach x
+    (each step: its rank among the valid siblings, plus one) plus x's valid children."""
+    most = 0
+    for b in range(tree.batch_size):
+        kids = {i: [c for c in range(1, tree.num_nodes) if tree.valid[b, c] and tree.parents[b, c] == i]
+                for i in range(tree.num_nodes)}
+        tries = {0: 0}
+        for i in range(tree.num_nodes):  # (parents precede children)
+            for rank, c in enumerate(kids[i]):
+                tries[c] = tries[i] + rank + 1
+        most = max(most, *(t + len(kids[i]) for i, t in tries.items()))
+    return most
+
+
 @settings(max_examples=150, deadline=None)
 @given(tree=random_trees(), seed=st.integers(0, 2**16), top_k=st.sampled_from([-1, 2]),
        temperature=st.sampled_from([1.0, 3.0]), all_sampled=st.booleans(), greedy_first=st.booleans(),
-       slack=st.sampled_from([None, 0, 3]))
-def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all_sampled, greedy_first, slack):
+       slack=st.sampled_from([None, 0, 3]), bounded=st.booleans())
+def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all_sampled, greedy_first, slack,
+                                             bounded):
     """Sampled and top-k siblings mixed (or all sampled: rejections that update q), duplicate
     tokens, padding, residuals that run out of mass (top-k zeros), a greedy request among
-    sampled ones, depth bounds exact or loose; coins as the verifier draws them: N + 1 per
-    request."""
+    sampled ones, depth bounds exact or loose, walks cut at the exact ``max_tries`` bound; coins
+    as the verifier draws them: N + 1 per request."""
     b, n = tree.tokens.shape
     if all_sampled:
         tree.sampled = tree.valid & (torch.arange(n) > 0)
     if slack is not None:
         tree.max_depth = int(tree.depth.max()) + slack
+    if bounded:
+        tree.max_tries = most_tries(tree)
     logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
     params = [SamplingParams(temperature=0.0 if greedy_first and r == 0 else temperature, top_k=top_k)
               for r in range(b)]
