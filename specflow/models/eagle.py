@@ -20,6 +20,7 @@ head's output at its parent.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,13 @@ def head_config(hf: dict) -> ModelConfig:
     """The Llama architecture of a draft head's config.json (the head layers are Llama layers
     whatever the target family; biases other than ``qkv_bias`` do not exist in the layout)."""
     return ModelConfig.from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False})
+
+
+def new_head_config(target: ModelConfig, num_layers: int) -> ModelConfig:
+    """The config of a new head's layers for ``target``: its shapes in plain Llama layers (no biases,
+    no q/k norm, whatever the target family), as ``head_config`` reads the head back."""
+    return dataclasses.replace(target, arch="llama", num_hidden_layers=num_layers, tie_word_embeddings=False,
+                               attention_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)
 
 
 def head_attention(cfg: ModelConfig, layer_idx: int, in_features: int, qkv_bias: bool = False) -> LlamaAttention:

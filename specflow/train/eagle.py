@@ -12,7 +12,6 @@ through the target's frozen embedding and lm_head.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specflow.config import check_at_least
 from specflow.models import LlamaForCausalLM, load_model
-from specflow.models.eagle import EagleHead, save_eagle
+from specflow.models.eagle import EagleHead, new_head_config, save_eagle
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
-from specflow.config import check_at_least
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import count_params, head_data, target_pass
 from specflow.train.module import TrainModule, frozen, soft_cross_entropy
@@ -48,8 +47,7 @@ class EagleRecipeConfig:
 def new_eagle_head(target: LlamaForCausalLM, num_layers: int, bias: bool) -> EagleHead:
     """A freshly initialised head over ``target``'s embedding and lm_head (its layers copy the
     target's layer shape)."""
-    cfg = dataclasses.replace(target.config, num_hidden_layers=num_layers, tie_word_embeddings=False)
-    return EagleHead(cfg, target.embed_tokens, target.lm_head, bias=bias)
+    return EagleHead(new_head_config(target.config, num_layers), target.embed_tokens, target.lm_head, bias=bias)
 
 
 def uniform_noise(x: Tensor, width: float) -> Tensor:

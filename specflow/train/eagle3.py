@@ -12,7 +12,6 @@ in the draft vocabulary, weighted by ``decay ** k``. The draft vocabulary is the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 
 from specflow.config import ConfigError, check_at_least
 from specflow.models import LlamaForCausalLM, load_model
+from specflow.models.eagle import new_head_config
 from specflow.models.eagle3 import Eagle3Head, save_eagle3
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import UnrolledAttention
@@ -53,8 +53,7 @@ def draft_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:
 
 def new_eagle3_head(target: LlamaForCausalLM, hot: Tensor, taps: tuple[int, ...]) -> Eagle3Head:
     """A freshly initialised head over ``target``'s embedding, drafting among the ids ``hot``."""
-    cfg = dataclasses.replace(target.config, num_hidden_layers=1, tie_word_embeddings=False)
-    head = Eagle3Head(cfg, target.embed_tokens, taps, draft_vocab_size=len(hot))
+    head = Eagle3Head(new_head_config(target.config, 1), target.embed_tokens, taps, draft_vocab_size=len(hot))
     head.d2t.copy_(hot - torch.arange(len(hot)))
     head.t2d.zero_().index_fill_(0, hot, True)
     return head

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specflow.config import check_at_least
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.loader import resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
-from specflow.config import check_at_least
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import count_params, head_data, target_pass
 from specflow.train.module import TrainModule, frozen

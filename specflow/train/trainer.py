@@ -53,6 +53,9 @@ def train(run: TrainConfig) -> TrainResult:
     g = torch.Generator().manual_seed(run.seed)
     train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, shuffle=True,
                               drop_last=True, generator=g, num_workers=t.num_workers)
+    if len(train_loader) == 0:  # Lightning would only warn, and the untrained weights be exported
+        raise ConfigError(f"train: {len(job.train_data)} training sequences fill no batch of optim.batch_size="
+                          f"{run.optim.batch_size}; lower it, or give more data (data.max_files, data.max_tokens)")
     val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers)
                   if job.val_data is not None else None)
     start = time.time()

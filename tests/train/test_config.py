@@ -7,8 +7,10 @@ import pytest
 from specflow.cli import main
 from specflow.config import ConfigError, validate
 from specflow.train import RECIPES, TrainConfig, load_train_config, train
+from tests.train.runs import tiny_config
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/train/*.yaml"))
+ZOO_TARGET = Path(__file__).resolve().parents[2] / "zoo" / "tiny-code" / "target"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -66,6 +68,14 @@ def test_lightning_settings_fail_before_the_recipe_setup(override, named, tmp_pa
                    "train")
     with pytest.raises(ConfigError, match=named):
         train(cfg)
+
+
+def test_data_that_fills_no_batch_fails_before_training(tmp_path):
+    """(Lightning would only warn, and the untrained head be exported as the result)"""
+    cfg = tiny_config(tmp_path, {"type": "medusa"}, target=ZOO_TARGET, data={"max_tokens": 300})  # 4 sequences
+    with pytest.raises(ConfigError, match="train: 4 training sequences fill no batch of optim.batch_size=8"):
+        train(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("recipe", ["distill", "eagle", "eagle3", "medusa"])
