@@ -265,8 +265,8 @@ class SpecEngine:
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             try:
-                tree, out = self._target_forward_or_roots(batch, tree, roots)
-            except OutOfPages:
+                out = self._target_forward(batch, tree)
+            except OutOfPages:  # (a root-only step: _draft drafts only trees the pool holds in full)
                 finished += self._preempt()
                 continue
             if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
@@ -293,9 +293,15 @@ class SpecEngine:
         )
 
     def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
-        """The tree of every request; requests that do not speculate get the root only."""
+        """The tree of every request; requests that do not speculate get the root only, and so does
+        every request when the target's pool cannot hold full trees: a plain step, rather than
+        preempting or cutting a request short. That is decided before any draw (the pool's room
+        for trees of ``num_draft_tokens`` nodes), as giving up a drawn tree for its size would
+        bias sampled drafts whose size depends on their draws."""
         on = self.spec_max_batch_size is None or len(batch) <= self.spec_max_batch_size
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
+        if rows and not self._trees_fit(batch, rows):
+            rows = []
         if len(rows) == len(batch):
             return self.tree_builder.build(self.drafter, roots)
         plain = DraftTree.root_only(roots)
@@ -321,17 +327,13 @@ class SpecEngine:
             tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
             taps=taps)
 
-    def _target_forward_or_roots(self, batch: list[Request], tree: DraftTree,
-                                 roots: Roots) -> tuple[DraftTree, ExtendOutput]:
-        """The target pass over the trees; when the pool has no room for them, over the roots
-        alone (a plain step: one slot per request), rather than preempting or cutting a request
-        short. OutOfPages from the roots' pass goes up."""
-        if tree.num_nodes > 1:
-            try:
-                return tree, self._target_forward(batch, tree)
-            except OutOfPages:
-                tree = DraftTree.root_only(roots)
-        return tree, self._target_forward(batch, tree)
+    def _trees_fit(self, batch: list[Request], rows: list[int]) -> bool:
+        """Whether the target's pool holds this step with full trees in ``rows`` (in every row
+        with CUDA graphs, whose one shape pads the others to N) and the root elsewhere."""
+        n = self.tree_builder.num_draft_tokens
+        full = set(rows) if self.runner.graphs is None else range(len(batch))
+        return self.runner.cache.fits([r.id for r in batch], [self.runner.kv_len(r.id) + (n if i in full else 1)
+                                                              for i, r in enumerate(batch)])
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
         if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)

@@ -8,8 +8,10 @@ import torch
 from scipy.stats import chisquare
 
 from specflow import SamplingParams, SpecEngine
+from specflow.config import build_component
 from specflow.models import load_model
 from specflow.models.random import make_random_checkpoint
+from specflow.registry import DRAFTERS
 from specflow.runtime.model_runner import ModelRunner
 from specflow.sampling import SamplingBatch, target_probs
 
@@ -26,22 +28,22 @@ def small_vocab(tmp_path_factory):
     return target, draft
 
 
-def exact_joint(model) -> torch.Tensor:
-    """[V ** 3] probability p(a) p(b | a) p(c | a, b) of every 3-token continuation under the
-    processed target distribution."""
+def exact_joint(model, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """[V ** 3] probability p(a) p(b | a) p(c | a, b) of every 3-token continuation of ``prompt``
+    under the processed target distribution."""
     runner = ModelRunner(model, num_pages=4096)
     sampling = SamplingBatch.from_params([SamplingParams(**PARAMS)], [torch.Generator()])
     joint = torch.zeros(V, V, V, dtype=torch.float64)
     for a, b in itertools.product(range(V), repeat=2):
-        logits = runner.extend([0], [PROMPT + [a, b]]).logits  # [len, V]
+        logits = runner.extend([0], [prompt + [a, b]]).logits  # [len, V]
         runner.release([0])
-        p = target_probs(logits[None, len(PROMPT) - 1:], sampling)[0].double()  # [3, V]: p(.), p(.|a), p(.|a,b)
+        p = target_probs(logits[None, len(prompt) - 1:], sampling)[0].double()  # [3, V]: p(.), p(.|a), p(.|a,b)
         joint[a, b] = p[0, a] * p[1, b] * p[2]
     return joint.flatten()
 
 
-def sampled_counts(engine: SpecEngine, n: int) -> torch.Tensor:
-    outs = engine.generate([PROMPT] * n, [SamplingParams(seed=i, **PARAMS) for i in range(n)])
+def sampled_counts(engine: SpecEngine, n: int, prompt: list[int] = PROMPT) -> torch.Tensor:
+    outs = engine.generate([prompt] * n, [SamplingParams(seed=i, **PARAMS) for i in range(n)])
     counts = torch.zeros(V ** NEW)
     for o in outs:
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
@@ -79,6 +81,36 @@ def test_sampled_output_matches_target_distribution(small_vocab, case):
                         kv_cache_tokens=8192, max_batch_size=128)
     counts = sampled_counts(engine, 3000)
     assert_same_distribution(counts, exact_joint(model))
+
+
+REPEATING = [5, 1, 3, 1, 4, 5, 2, 3, 0, 5]  # the n-gram drafter finds continuations of its tokens
+SAMPLED_STATIC = {"type": "static", "choices": [[0], [1], [0, 0], [0, 1]], "sample": True}
+
+
+@pytest.mark.slow
+def test_sampled_drafts_under_kv_pressure_keep_the_distribution(small_vocab):
+    """An n-gram drafter's q has no support below some tokens, so the number of nodes in a sampled
+    tree depends on its draws. A pool too small for every tree must turn steps plain before any
+    draw: giving up the drawn trees that did not fit biased the output."""
+    model = load_model(small_vocab[0])
+    engine = SpecEngine(model, {"type": "ngram", "max_window": 1}, SAMPLED_STATIC, {"type": "rejection"},
+                        kv_cache_tokens=len(REPEATING) + 5, max_batch_size=1)
+    assert_same_distribution(sampled_counts(engine, 3000, REPEATING), exact_joint(model, REPEATING))
+
+
+def test_a_pool_short_of_full_trees_steps_plainly_before_any_draw(small_vocab):
+    """(the fast check of the rule the test above measures)"""
+    drafter = build_component(DRAFTERS, {"type": "ngram", "max_window": 1}, vocab_size=V)
+    expansions = []
+    expand = drafter.expand
+    drafter.expand = lambda frontier: expansions.append(frontier) or expand(frontier)
+    tree_nodes = len(SAMPLED_STATIC["choices"]) + 1
+    for room, drafted in ((tree_nodes - 1, False), (tree_nodes, True)):  # KV slots past the prompt's
+        engine = SpecEngine(load_model(small_vocab[0]), drafter, SAMPLED_STATIC, {"type": "rejection"},
+                            kv_cache_tokens=len(REPEATING) + room, max_batch_size=1)
+        expansions.clear()
+        out = engine.generate([REPEATING], SamplingParams(seed=0, **dict(PARAMS, max_tokens=2)))[0]
+        assert bool(expansions) == drafted and len(out.token_ids) == 2
 
 
 def test_the_check_detects_a_lossy_verifier(small_vocab):

@@ -95,10 +95,17 @@ class PagedKVCache:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def fits(self, request_ids: list[int], num_tokens: list[int]) -> bool:
+        """Whether ``reserve(request_ids, num_tokens)`` would find the pages."""
+        return sum(self._extra_pages(request_ids, num_tokens)) <= self.allocator.num_free
+
+    def _extra_pages(self, request_ids: list[int], num_tokens: list[int]) -> list[int]:
+        return [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))
+                for r, n in zip(request_ids, num_tokens)]
+
     def reserve(self, request_ids: list[int], num_tokens: list[int]) -> None:
         """Make each request's block table cover ``num_tokens`` logical indices; all or nothing."""
-        extra = [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))
-                 for r, n in zip(request_ids, num_tokens)]
+        extra = self._extra_pages(request_ids, num_tokens)
         if sum(extra) > self.allocator.num_free:
             raise OutOfPages(f"need {sum(extra)} more KV pages, {self.allocator.num_free} free")
         pages, start = self.allocator.allocate(sum(extra)), 0  # one allocation for the batch
