@@ -114,7 +114,9 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     the smallest prefix of the sorted distribution that reaches top_p, min-p the tokens at least
     min_p x the top one; the top token always survives. Only top-p sorts, and only when a
     sampled row uses it. Greedy rows (temperature 0) become one-hot at the argmax, so every
-    acceptance rule reduces to "accept iff the draft equals the argmax" for them.
+    acceptance rule reduces to "accept iff the draft equals the argmax" for them. Non-finite
+    logits cannot break a batch: +inf tokens share the row's mass, NaN ones get none, and a row
+    left without mass (all -inf or NaN) is all zeros (``sample_rows`` gives token 0).
     """
     logits = logits.float()
     b, n, v = logits.shape
@@ -123,7 +125,8 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         return _one_hot(logits)
     greedy, temp, top_k, top_p, min_p = (x.view(b, 1, 1) for x in to_device(
         [sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], logits.device))
-    probs = torch.softmax(logits / temp.clamp(min=1e-5), dim=-1)
+    scaled = (logits / temp.clamp(min=1e-5)).nan_to_num(float("-inf"), torch.finfo(torch.float32).max, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     k = sampling.top_k[sampled]
     if bool((k > 0).any()):
         top = probs.topk(min(int(k.max()), v)).values                                # [B, N, max k]
@@ -137,7 +140,7 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         probs = probs.scatter(-1, order, sorted_p.masked_fill(cut, 0.0))
     if bool((sampling.min_p[sampled] > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
+    probs = (probs / probs.sum(-1, keepdim=True)).nan_to_num(nan=0.0)  # (0 / 0: a row without mass)
     return torch.where(greedy, _one_hot(logits), probs) if not bool(sampled.all()) else probs
 
 

@@ -125,3 +125,19 @@ def test_next_tokens_follow_the_processed_distribution(params):
     live = (probs > 0).numpy()
     expected = probs.numpy()[live] / probs.numpy()[live].sum() * counts.sum()
     assert chisquare(counts[live], expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.1)])
+def test_non_finite_logits_do_not_break_the_batch(params):
+    """(a float16 overflow in one request must not fail every request in the step)"""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5],       # finite
+                           [0.0, 1.0, inf, 0.5],       # +inf: that token takes the mass
+                           [0.0, nan, 2.0, 0.5],       # NaN: that token gets none
+                           [-inf, -inf, -inf, -inf]])  # no mass: token 0
+    tokens = torch.stack([next_tokens(logits, SamplingBatch.from_params([params] * 4, [make_generator(s + 4 * r)
+                                                                                        for r in range(4)]))
+                          for s in range(200)])        # [200, 4]
+    assert set(tokens[:, 1].tolist()) == {2} and 1 not in tokens[:, 2].tolist() and set(tokens[:, 3].tolist()) == {0}
+    assert len(set(tokens[:, 0].tolist())) > 1
