@@ -52,6 +52,8 @@ class Frontier:
     ``nodes[b, f]`` indexes into it, -1 where request b has fewer than F nodes to expand. Within
     one build a node keeps its index (builders append nodes and may renumber only after their
     last expansion, as EAGLE-2's rerank does): model drafters find a node's parent by index.
+    Model drafters reserve their KV pages for ``budget`` nodes when a tree starts, so a pool that
+    is too small fails before any draw (a failure that depended on the draws would bias them).
     """
 
     roots: Roots
@@ -59,6 +61,7 @@ class Frontier:
     nodes: Tensor         # [B, F] int64
     k: int                # children wanted per node
     want_probs: bool      # also return the full child distribution q
+    budget: int | None = None  # the most nodes the trees may reach (N, root included), when known
 
 
 @dataclass(slots=True)

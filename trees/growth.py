@@ -90,7 +90,7 @@ class GrowingTree:
         replacement in draw order (-inf logprob once q has no mass left).
         """
         b, f = nodes.shape
-        out = drafter.expand(Frontier(self.roots, self.tree(), nodes, k, want_probs=self.sample))
+        out = drafter.expand(Frontier(self.roots, self.tree(), nodes, k, want_probs=self.sample, budget=self.capacity))
         name = type(drafter).__name__
         if out.tokens.shape != (b, f, k) or out.logprobs.shape != (b, f, k):
             raise ValueError(f"{name}.expand returned tokens {tuple(out.tokens.shape)} and logprobs "

@@ -236,12 +236,14 @@ class TreeDraftRunner:
         states = [self._state(rid) for rid in rids]
         slots = np.array([st.slot for st in states], dtype=np.int64)                     # [N]
         fed = counts[bs]                                                                # [N] tokens to feed
+        reserved = fed.copy()  # a tree's start reserves its whole budget (Frontier.budget)
         if len(roots):
             for i in roots[scratch.size[slots[roots]] > 0]:  # a build that never reached commit (a step given up)
                 self.runner.cache.truncate(rids[i], states[i].committed)
                 scratch.clear(slots[i])
             fed[roots] = [len(states[i].pending) + 1 for i in roots]
-        self.runner.cache.reserve(rids, [self.runner.kv_len(rid) + int(n) for rid, n in zip(rids, fed)])
+            reserved[roots] = fed[roots] + (frontier.budget or 1) - 1
+        self.runner.cache.reserve(rids, [self.runner.kv_len(rid) + int(n) for rid, n in zip(rids, reserved)])
         # a new build when every fed request starts a tree and no other is inside one
         batch = DraftBatch(new_build=not len(inner) and not scratch.size.any())
         if len(roots):  # new trees: pending committed tokens, then the root, causal

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from drafters.draft_model import DraftModelDrafter
+from specflow import SamplingParams, SpecEngine
 from specflow.models import load_model
 from specflow.runtime.model_runner import ModelRunner
 from specflow.tree import DraftTree, Frontier
@@ -52,3 +53,17 @@ def test_a_frontier_without_nodes_feeds_nothing(tiny_target, nodes):
     out = drafter.expand(Frontier(roots, DraftTree.root_only(roots), nodes, 2, want_probs=False))
     assert out.tokens.shape == (2, nodes.shape[1], 2) and (out.logprobs == float("-inf")).all()
     assert drafter.runner.runner.cache.num_pages_used == 0  # nothing fed: the prompts are still pending
+
+
+def test_a_pool_short_of_a_whole_tree_fails_before_any_draw(tiny_target):
+    """The draft model's pages for a whole tree are reserved when it starts: a pool without them
+    gives up the tree before drawing from it (a failure that depended on the draws would bias
+    sampled drafts). Every step is then plain, and a seeded request samples what plain decoding
+    samples with that seed."""
+    prompt, params = [5, 17, 42, 9, 7], SamplingParams(temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    tree = {"type": "static", "choices": [[0], [1], [0, 0], [0, 1]], "sample": True}
+    short = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 9},
+                       tree, {"type": "rejection"})
+    out = short.generate([prompt], params)[0]
+    assert out.accept_lengths == [1] * 5  # (9 slots: a prompt of 5 and a tree of 5 do not fit)
+    assert out.token_ids == SpecEngine(tiny_target).generate([prompt], params)[0].token_ids
