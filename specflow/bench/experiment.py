@@ -120,8 +120,10 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
     return rows
 
 
-def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
-    """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category."""
+def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True) -> dict:
+    """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category;
+    for ``greedy`` runs also the share of prompts whose tokens match the baseline's (sampled runs
+    are exact in distribution, not token for token)."""
 
     def stats(sel: list[dict], base: list[dict] | None) -> dict:
         tokens = sum(r["tokens"] for r in sel)
@@ -133,7 +135,8 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
         if base is not None:
             base_s = sum(r["tokens"] for r in base) / max(sum(r["seconds"] for r in base), 1e-9)
             out["speedup"] = out["tokens_per_s"] / base_s
-            out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / max(1, len(sel))
+            if greedy:
+                out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
         return out
 
     lat = torch.tensor([r["seconds"] for r in rows])
@@ -186,9 +189,11 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
 
     save()
     for p in pipelines:
-        rows = run_pipeline(engine_for(p), prompts, cfg, p.name)
-        results["pipelines"][p.name] = summarize(rows, baseline)
-        results["pipelines"][p.name]["pipeline"] = {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}
+        engine = engine_for(p)
+        rows = run_pipeline(engine, prompts, cfg, p.name)
+        results["pipelines"][p.name] = summarize(rows, baseline, greedy=cfg.sampling.temperature == 0)
+        results["pipelines"][p.name] |= {"lossless": engine.verifier.lossless,
+                                         "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
         all_rows[p.name] = rows
         save()
     write_report(results, all_rows, out_dir)

@@ -48,10 +48,16 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
         if name != "baseline":
             assert stats["matches_baseline"] == 1.0 and stats["speedup"] > 0
     assert results["pipelines"]["self-eagle2"]["accept_length"] > 1.5  # the target drafting itself
+    assert [results["pipelines"][p]["lossless"] for p in ("pld", "self-eagle2")] == [False, True]  # (greedy verifier)
     assert "sampling:\n  temperature: 0.0\n  top_k: -1" in (out / "config.yaml").read_text()
     assert "max_tokens: 6" in (out / "config.yaml").read_text()
-    assert "| self-eagle2 |" in (out / "results.md").read_text()
+    assert "| self-eagle2 | yes |" in (out / "results.md").read_text()
     assert (out / "speedup.png").stat().st_size > 0
+
+    # a sampled run is exact in distribution, not token for token: no token comparison is made
+    assert main(["run", str(path), "sampling.max_tokens=3", "sampling.temperature=0.8", "name=sampled"]) == 0
+    sampled = json.loads((tmp_path / "runs" / "sampled" / "results.json").read_text())["pipelines"]
+    assert not any("matches_baseline" in stats for stats in sampled.values())
 
 
 def test_sweep_prints_the_best_configuration(tmp_path, tiny_target, capsys):
