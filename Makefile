@@ -29,7 +29,7 @@ test-gpu: setup
 	$(VENV)/bin/pytest -m gpu -q
 
 bench: setup
-	$(VENV)/bin/specflow bench zoo/tiny-code/target --batch-sizes 1 8 --out bench/results/cpu_decode.json
+	$(VENV)/bin/specflow bench zoo/tiny-code/target --batch-sizes 1 8 --out runs/bench/cpu_decode.json
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 from dataclasses import dataclass, field
 
@@ -11,6 +12,12 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device
+
+
+_NUMBER, _INTEGER = ("a number", numbers.Real), ("an integer", numbers.Integral)
+_PARAM_TYPES = {"temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "top_k": _INTEGER, "max_tokens": _INTEGER,
+                "seed": ("an integer or None", (numbers.Integral, type(None))),
+                "logprobs": ("an integer or None", (numbers.Integral, type(None)))}
 
 
 @dataclass
@@ -37,6 +44,17 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name, (what, kind) in _PARAM_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        stops_ok = isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop)
+        if self.stop is not None and not stops_ok:
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k == -1 or 1 <= self.top_k < 2**31, f"top_k must be -1 (off) or in [1, 2^31), got {self.top_k}"),
@@ -48,10 +66,6 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

@@ -106,6 +106,10 @@ def test_abort_frees_pages(engine):
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0}, "top_p"),
     ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"), ({"seed": True}, "seed must be an integer or None"),
+    ({"stop_token_ids": [1, "a"]}, "stop_token_ids must be a list of token ids"),
 ])
 def test_sampling_params_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

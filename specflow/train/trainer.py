@@ -65,7 +65,8 @@ def train(run: TrainConfig) -> TrainResult:
     tokens = (trainer.global_step * t.accumulate_grad_batches * trainer.world_size
               * run.optim.batch_size * run.data.seq_len)
     summary = {"name": run.name, "steps": trainer.global_step, "tokens_seen": tokens, "wall_s": round(wall, 1),
-               **{k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}, **job.info}
+               **{k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}, **job.info,
+               "checkpoint": str(run.output_dir), "curves": str(log_dir)}
     if trainer.is_global_zero:
         out = Path(run.output_dir)
         recipe.export(run, {k: v.detach().cpu() for k, v in state.items()}, out)
