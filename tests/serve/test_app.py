@@ -2,6 +2,7 @@
 for every bad input while a good request is served alongside, request limits, tokenizing off the
 event loop, the API key, and client disconnects returning their KV pages at once."""
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from specflow import SpecEngine
+from specflow.serve import build_app
 from tests.serve.conftest import API_KEY, MAX_PROMPTS, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
@@ -110,36 +114,31 @@ def test_chunked_body_over_the_limit_is_413(server):
     assert response.status_code == 413 and "limits.max_request_bytes" in response.json()["error"]["message"]
 
 
-LONG_TEXT = "def f(x):\n    return x * 2\n" * 20000   # half a MiB: the better part of a second to tokenize
+def test_tokenizing_runs_off_the_event_loop(chat_target, monkeypatch):
+    """Tokenizing a prompt and rendering a chat run on worker threads: on the event loop, a long
+    prompt would stall every stream for as long as it takes. (In process, over the real app.)"""
+    engine = SpecEngine(chat_target)
+    calls = []  # (function, whether an event loop runs in the calling thread)
 
+    def recorded(fn):
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                calls.append((fn.__name__, True))
+            except RuntimeError:  # no loop runs in this thread
+                calls.append((fn.__name__, False))
+            return fn(*args, **kwargs)
+        return call
 
-@pytest.mark.parametrize("endpoint, long_request", [
-    ("completions", {**GOOD, "prompt": LONG_TEXT}),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG_TEXT}]})])
-def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, endpoint, long_request):
-    """Tokenizing (and rendering a chat) runs on a worker thread: a stream running alongside keeps
-    its pace (on the event loop it would stall for all of it), and the long prompt still gets
-    its 400."""
-    arrivals = []
-
-    def stream() -> None:
-        body = {**GOOD, "max_tokens": 480, "stream": True, "speculative": False}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    arrivals.append(time.perf_counter())
-
-    with ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(stream)
-        while not arrivals and not streaming.done():
-            time.sleep(0.01)
-        start = time.perf_counter()
-        response = post(server.url, endpoint, long_request)
-        end = time.perf_counter()
-        streaming.result()
-    assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
-    stall = max(b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end)
-    assert stall < (end - start) / 4, (stall, end - start)
+    monkeypatch.setattr(engine, "encode", recorded(engine.encode))
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", recorded(engine.tokenizer.apply_chat_template))
+    with TestClient(build_app(engine, MODEL)) as client:
+        for endpoint, body in (("completions", {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 2}),
+                               ("chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "x"}]})):
+            assert client.post(f"/v1/{endpoint}", json=body).status_code == 200
+    assert {name for name, _ in calls} == {"encode", "apply_chat_template"}
+    assert not any(on_loop for _, on_loop in calls), calls
 
 
 def test_openai_client_raises_typed_errors(client):
