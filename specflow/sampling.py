@@ -139,7 +139,7 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         return _one_hot(logits)
     greedy, temp, top_k, top_p, min_p = (x.view(b, 1, 1) for x in to_device(
         [sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], logits.device))
-    scaled = (logits / temp.clamp(min=1e-5)).nan_to_num(float("-inf"), torch.finfo(torch.float32).max, float("-inf"))
+    scaled = (logits / temp.clamp(min=1e-5)).nan_to_num_(float("-inf"), torch.finfo(torch.float32).max, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     k = sampling.top_k[sampled]
     if bool((k > 0).any()):
@@ -154,7 +154,7 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         probs = probs.scatter(-1, order, sorted_p.masked_fill(cut, 0.0))
     if bool((sampling.min_p[sampled] > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    probs = (probs / probs.sum(-1, keepdim=True)).nan_to_num(nan=0.0)  # (0 / 0: a row without mass)
+    probs = (probs / probs.sum(-1, keepdim=True)).nan_to_num_(nan=0.0)  # (0 / 0: a row without mass), in place
     return torch.where(greedy, _one_hot(logits), probs) if not bool(sampled.all()) else probs
 
 
