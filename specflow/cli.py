@@ -8,6 +8,8 @@ import sys
 
 from specflow.config import ConfigError
 
+THREADS_HELP = "torch intra-op threads (default: torch's; small models often run faster with 1)"
+
 
 def cmd_list(args: argparse.Namespace) -> None:
     from specflow.registry import ALL, describe
@@ -22,15 +24,26 @@ def cmd_list(args: argparse.Namespace) -> None:
         print()
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from specflow.bench.experiment import run_experiment
 
+    _set_threads(args.threads)
     run_experiment(args.config, args.overrides)
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     from specflow.bench.sweep import run_sweep
 
+    _set_threads(args.threads)
     run_sweep(args.config, args.grid, args.overrides)
 
 
@@ -66,8 +79,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     from specflow.models.random import make_random_checkpoint
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise ValueError(f"{out} exists and is not an empty directory; pass --force to write the random "
+                         "checkpoint over it")
     make_random_checkpoint(args.out, hidden_size=args.hidden_size, num_layers=args.num_layers,
                            vocab_size=args.vocab_size, seed=args.seed)
     print(f"wrote a random-weight Llama checkpoint with a BPE tokenizer to {args.out}")
@@ -83,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run a YAML experiment against the same-run baseline")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("sweep", help="grid over tree parameters; prints the best configuration")
     p.add_argument("config")
     p.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("bench", help="plain-decoding tokens/s against transformers generate")
@@ -97,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--out", default=None, help="also write the numbers as JSON here")
     p.set_defaults(fn=cmd_bench)
 
@@ -123,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="write over a directory that is not empty")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("app", help="Gradio app: each step's draft tree and accepted path, live")

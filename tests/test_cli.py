@@ -18,3 +18,27 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     assert main(["make-model", str(out), "--hidden-size", "32", "--num-layers", "1", "--vocab-size", "300"]) == 0
     model = load_model(out)
     assert model.config.vocab_size == 300 and (out / "tokenizer.json").exists()
+
+
+def test_make_model_refuses_a_directory_that_is_not_empty(tmp_path, capsys):
+    out = tmp_path / "checkpoint"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    args = ["make-model", str(out), "--hidden-size", "32", "--num-layers", "1", "--vocab-size", "300"]
+    assert main(args) == 2
+    assert "--force" in capsys.readouterr().err and (out / "config.json").read_text() == "{}"
+    assert main(args + ["--force"]) == 0
+    assert load_model(out).config.vocab_size == 300
+
+
+def test_run_sets_the_torch_threads_it_is_given(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["run", "missing.yaml", "--threads", "0"]) == 2
+        assert "--threads must be >= 1" in capsys.readouterr().err
+        main(["run", str(tmp_path / "missing.yaml"), "--threads", "1"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -179,7 +179,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
     print(f"{cfg.name}: {len(prompts)} prompts, target {e.target} on {device}/{str(dtype).split('.')[-1]}")
     baseline = run_pipeline(engine_for(None), prompts, cfg, "baseline")
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
-               "batch_size": cfg.batch_size, "num_prompts": len(prompts),
+               "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "pipelines": {"baseline": summarize(baseline, None)}}
     results["pipelines"]["baseline"]["speedup"] = 1.0
     all_rows = {"baseline": baseline}
