@@ -1,8 +1,8 @@
 """Loopback load test of `specflow serve`: throughput and p50 / p99 latency at concurrency 1, 8 and
 32, with and without speculation, through the real `openai` client.
 
-    .venv/bin/python bench/serve_load.py                     # configs/serve.yaml on a random target
-    .venv/bin/python bench/serve_load.py --target zoo/tiny-code/target engine.spec_max_batch_size=16
+    .venv/bin/python bench/serve_load.py                     # configs/serve.yaml (the shipped tiny-code)
+    .venv/bin/python bench/serve_load.py --target random engine.spec_max_batch_size=16
 
 It starts the server itself on a free loopback port and stops it at the end. Both modes run on
 the same server: "plain" requests send ``"speculative": false``. Every level sends a fixed number
@@ -10,9 +10,10 @@ of requests with ``ignore_eos`` at temperature 0 (identical work in both modes),
 run is bounded by ``--timeout``.
 
 By default the pipeline of configs/serve.yaml (n-gram drafts, EAGLE-2 tree, rejection sampling)
-serves a random-weight Llama (hidden 256, 4 layers, vocab 4096) written on the spot; such a
-model falls into loops at temperature 0, which n-gram drafts predict well. Speculation stays on
-at every batch size (``engine.spec_max_batch_size=null``) unless an override says otherwise.
+serves its own target, the shipped zoo/tiny-code model; ``--target random`` writes a
+random-weight Llama (hidden 256, 4 layers, vocab 4096) on the spot instead, which falls into
+loops at temperature 0 that n-gram drafts predict well (flattering numbers). Speculation stays
+on at every batch size (``engine.spec_max_batch_size=null``) unless an override says otherwise.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ PROMPTS = [
 ]
 
 
-def bench_config(config: Path, target: str, overrides: list[str], workdir: Path) -> Path:
-    """``config`` with its target replaced (``random``: a fresh random-weight checkpoint) and the
-    overrides applied, written to ``workdir``."""
+def bench_config(config: Path, target: str | None, overrides: list[str], workdir: Path) -> Path:
+    """``config`` with the overrides applied and its target replaced (``random``: a fresh
+    random-weight checkpoint; None: the config's own, a relative path read from the repository
+    root as the shipped configs are), written to ``workdir``."""
     from specflow.models.random import make_random_checkpoint
 
+    cfg = OmegaConf.load(config)
     if target == "random":
         target = str(make_random_checkpoint(workdir / "target", seed=0))
-    cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(
+    elif target is None:
+        target = str(Path(__file__).parents[1] / cfg.engine.target)  # (an absolute target stays as it is)
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(
         [f"engine.target={target}", "engine.spec_max_batch_size=null", *overrides]))
     path = workdir / "serve.yaml"
     OmegaConf.save(cfg, path)
@@ -124,7 +129,8 @@ def format_row(r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=Path(__file__).parents[1] / "configs" / "serve.yaml")
-    parser.add_argument("--target", default="random", help="checkpoint directory, or 'random' (default)")
+    parser.add_argument("--target", default=None,
+                        help="checkpoint directory, or 'random' (default: the config's own target)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the serve config")
     parser.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -139,7 +145,7 @@ def main() -> None:
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             engine = OmegaConf.load(config).engine
-            print(f"server: {args.config} on {args.target}: drafter {dict(engine.drafter)}, tree {dict(engine.tree)}, "
+            print(f"server: {args.config} on {engine.target}: drafter {dict(engine.drafter)}, tree {dict(engine.tree)}, "
                   f"spec_max_batch_size {engine.spec_max_batch_size}; {args.max_tokens} new tokens per request")
             print(f"{'mode':<12}{'conc':>5}{'reqs':>6}{'tokens':>8}{'tok/s':>10}{'req/s':>8}{'p50 s':>9}"
                   f"{'p99 s':>9}{'accept':>8}")
