@@ -14,16 +14,25 @@ from torch import Tensor
 
 
 class CausalAttention:
-    """Causal self-attention over ``batch`` sequences of ``seq_len`` tokens each."""
+    """Causal self-attention over ``batch`` sequences of ``seq_len`` tokens each; with a
+    ``sliding_window`` (Mistral), each query sees only the ``sliding_window`` latest keys up to
+    itself, as at inference."""
 
-    def __init__(self, batch: int, seq_len: int):
+    def __init__(self, batch: int, seq_len: int, sliding_window: int | None = None):
         self.batch = batch
         self.seq_len = seq_len
+        self.sliding_window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B*S, Hq, D], k/v [B*S, Hkv, D] -> [B*S, Hq, D]."""
         q, k, v = (rearrange(x, "(b s) h d -> b h s d", b=self.batch) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hq, S, D]
+        if self.sliding_window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hq, S, D]
+        else:
+            pos = torch.arange(self.seq_len, device=q.device)
+            behind = pos[:, None] - pos[None, :]                                        # [S, S] query - key
+            mask = (behind >= 0) & (behind < self.sliding_window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
         return rearrange(out, "b h s d -> (b s) h d")
 
 

@@ -64,13 +64,15 @@ def build_llama(shape: ModelShape, vocab_size: int, eos_token_id: int, seed: int
 
 def causal_forward(model: LlamaForCausalLM, input_ids: Tensor,
                    taps: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
-    """Run a native model over ``input_ids [B, S]`` with causal attention.
+    """Run a native model over ``input_ids [B, S]`` with causal attention (windowed for a model
+    with a ``sliding_window``, as at inference).
 
     Returns the final normed hidden states ``[B, S, H]`` and the tapped states, each ``[B, S, H]``.
     """
     b, s = input_ids.shape
     positions = torch.arange(s, device=input_ids.device).repeat(b)                 # [B*S]
-    hidden, tapped = model(input_ids.reshape(-1), positions, CausalAttention(b, s), taps)
+    attn = CausalAttention(b, s, model.config.sliding_window)
+    hidden, tapped = model(input_ids.reshape(-1), positions, attn, taps)
     return hidden.view(b, s, -1), [t.view(b, s, -1) for t in tapped]
 
 

@@ -7,6 +7,7 @@ from specflow.models import load_model
 from specflow.runtime.model_runner import ModelRunner
 from specflow.train.attention import UnrolledAttention
 from specflow.train.lm import causal_forward
+from tests.models.tiny_checkpoints import build_hf_model
 
 
 def test_causal_forward_matches_the_inference_runtime(tiny_target):
@@ -17,6 +18,20 @@ def test_causal_forward_matches_the_inference_runtime(tiny_target):
     runner = ModelRunner(model, num_pages=128)
     out = runner.extend([0, 1, 2], list(ids))
     torch.testing.assert_close(model.compute_logits(hidden).reshape(60, -1), out.logits)
+
+
+def test_causal_forward_keeps_a_sliding_window_as_inference_does(tmp_path):
+    """A Mistral target whose window (4) is shorter than the sequence: training's pass gives the
+    logits of the paged-cache prefill and of transformers, so head features match inference."""
+    hf = build_hf_model("mistral")
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = model.compute_logits(causal_forward(model, ids)[0])                      # [2, 12, V]
+    out = ModelRunner(model, num_pages=64).extend([0, 1], list(ids))
+    torch.testing.assert_close(logits.reshape(24, -1), out.logits)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_unrolled_attention_is_the_draft_tree_mask():
