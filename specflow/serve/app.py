@@ -36,15 +36,15 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 @dataclass
 class RequestLimits:
     """What one request may ask of the server: a body larger than ``max_request_bytes`` is a 413,
-    and a ``/v1/completions`` request lists at most ``max_prompts`` prompts (each takes ``n``
-    engine requests)."""
+    and a request puts at most ``max_sequences`` sequences in the engine (one engine request each):
+    prompts x ``n`` for ``/v1/completions``, ``n`` for ``/v1/chat/completions``; more is a 400."""
 
     max_request_bytes: int = 16 * 2**20   # 16 MiB: text of millions of tokens, past any context
-    max_prompts: int = 64
+    max_sequences: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_request_bytes < 1 or self.max_prompts < 1:
-            raise ConfigError(f"max_request_bytes and max_prompts must be >= 1, got {self}")
+        if self.max_request_bytes < 1 or self.max_sequences < 1:
+            raise ConfigError(f"max_request_bytes and max_sequences must be >= 1, got {self}")
 
 
 @dataclass
@@ -200,7 +200,7 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None,
     num_nodes = engine.tree_builder.num_draft_tokens if engine.drafter is not None else 1
     metrics = Metrics(max_accept_length=num_nodes, num_kv_pages=engine.runner.cache.allocator.num_pages)
     loop = EngineLoop(engine, metrics)
-    serving = OpenAIServing(loop, model_name, limits.max_prompts)
+    serving = OpenAIServing(loop, model_name, limits.max_sequences)
     created = int(time.time())
 
     @asynccontextmanager

@@ -21,8 +21,9 @@ from specflow.serve.protocol import (
     AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, SamplingFields,
-    TopLogprob, Usage, error_body)
+    ToolCallChunk, TopLogprob, Usage, error_body)
 from specflow.serve.token_bytes import TextOffsets, TokenBytes
+from specflow.serve.tool_parser import ToolCallStream, parse_tool_calls, tool_finish_reason
 
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the response
 
@@ -63,10 +64,10 @@ async def _wait_disconnect(request: Request) -> None:
 class OpenAIServing:
     """The two generation endpoints over one engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, max_prompts: int):
+    def __init__(self, loop: EngineLoop, model_name: str, max_sequences: int):
         self.loop = loop
         self.model_name = model_name
-        self.max_prompts = max_prompts
+        self.max_sequences = max_sequences   # sequences (prompts x n) one request may put in the engine
         self.tokenizer = loop.engine.tokenizer
         self.context_len = loop.engine.model.config.max_position_embeddings
         self._token_text: dict[int, str] = {}
@@ -108,6 +109,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        self._check_num_sequences(1, body.n)
         ids = await asyncio.to_thread(self._render_chat, body)
         max_tokens = body.max_new_tokens or max(1, self.context_len - len(ids))
         top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -115,11 +117,17 @@ class OpenAIServing:
                                  "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(d: Delta) -> ChatCompletionChunk:
+        parsers = [ToolCallStream(body.parallel_tool_calls) for _ in range(body.n)] if body.parses_tool_calls else None
+
+        def chunk(d: Delta) -> ChatCompletionChunk | None:
             lp = None if d.logprobs is None else self._chat_logprobs(d.logprobs)
+            delta, finish = ChatDelta(content=d.text), d.finish_reason
+            if parsers is not None:
+                delta, finish = _tool_call_delta(parsers[d.index], d)
+                if delta.content is None and delta.tool_calls is None and finish is None and lp is None:
+                    return None   # all of this delta's text is held back
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
-                ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=lp,
-                                finish_reason=d.finish_reason)])
+                ChatChunkChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=finish)])
 
         def usage_chunk(outs: list[RequestOutput]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
@@ -132,11 +140,19 @@ class OpenAIServing:
         outs = await self._collect(sub, request)
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
+
+        def choice(i: int, o: RequestOutput) -> ChatChoice:
+            message, finish = AssistantMessage(content=o.text), o.finish_reason
+            if body.parses_tool_calls:
+                parsed = parse_tool_calls(o.text, body.parallel_tool_calls)
+                message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
+                finish = tool_finish_reason(finish, len(parsed.tool_calls))
+            return ChatChoice(index=i, message=message, finish_reason=finish,
+                              logprobs=None if o.logprobs is None else self._chat_logprobs(o.logprobs))
+
         return _json_response(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, usage=usage(outs, len(ids)),
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                                logprobs=None if o.logprobs is None else self._chat_logprobs(o.logprobs))
-                     for i, o in enumerate(outs)]))
+            choices=[choice(i, o) for i, o in enumerate(outs)]))
 
     # ----------------------------------------------------------------------------------------
     # requests in
@@ -147,13 +163,19 @@ class OpenAIServing:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
+    def _check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """400 unless the request's sequences (each prompt's ``n`` choices, one engine request
+        each) number at most ``limits.max_sequences``."""
+        if num_prompts * n > self.max_sequences:
+            raise ApiError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                                f"sequences; this server generates at most {self.max_sequences} per request "
+                                "(limits.max_sequences)", param="n" if n > 1 else "prompt")
+
     async def _prompt_ids(self, body: CompletionRequest) -> list[list[int]]:
         """Each prompt's token ids. Tokenizing runs on a worker thread: a long text would hold up
         the event loop, and every stream on it, for as long as it takes."""
         prompts = body.prompts()
-        if len(prompts) > self.max_prompts:
-            raise ApiError(400, f"prompt lists {len(prompts)} prompts; this server takes at most "
-                                f"{self.max_prompts} per request", param="prompt")
+        self._check_num_sequences(len(prompts), body.n)
         return await asyncio.to_thread(lambda: [self.loop.engine.encode(p) for p in prompts])
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
@@ -163,8 +185,9 @@ class OpenAIServing:
             raise ApiError(400, f"the model '{self.model_name}' has no chat template; add a 'chat_template' "
                                 "to its tokenizer_config.json, or use /v1/completions with a plain prompt",
                            param="messages", code="chat_template_missing")
+        tools = None if body.tools is None else [t.as_template_input() for t in body.tools]
         try:
-            text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
+            text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages], tools=tools,
                                                       tokenize=False, add_generation_prompt=True)
         except Exception as e:   # the checkpoint's own template code failed on these messages
             raise ApiError(400, f"the chat template of '{self.model_name}' cannot render these messages: "
@@ -213,14 +236,15 @@ class OpenAIServing:
             raise work.exception()
         return [outs[i] for i in range(len(sub.choices))] if len(outs) == len(sub.choices) else None
 
-    def _stream(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel],
+    def _stream(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel | None],
                 final: Callable[[list[RequestOutput]], BaseModel] | None) -> StreamingResponse:
         return StreamingResponse(self._events(sub, first, chunk, final), media_type="text/event-stream")
 
-    async def _events(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel],
+    async def _events(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel | None],
                       final: Callable[[list[RequestOutput]], BaseModel] | None) -> AsyncIterator[str]:
-        """Server-sent events until every choice finished, then ``[DONE]``. If the client goes away,
-        Starlette cancels this generator mid-await and ``finally`` aborts the requests at once."""
+        """Server-sent events until every choice finished, then ``[DONE]``; a delta that ``chunk``
+        turns into None sends nothing. If the client goes away, Starlette cancels this generator
+        mid-await and ``finally`` aborts the requests at once."""
         outs: dict[int, RequestOutput] = {}
         try:
             for c in first:
@@ -232,8 +256,8 @@ class OpenAIServing:
                     return
                 if d.output is not None:
                     outs[d.index] = d.output
-                if d.text or d.finish_reason or d.logprobs:
-                    yield sse(chunk(d))
+                if (d.text or d.finish_reason or d.logprobs) and (c := chunk(d)) is not None:
+                    yield sse(c)
             if final is not None:
                 yield sse(final([outs[i] for i in range(len(sub.choices))]))
             yield "data: [DONE]\n\n"
@@ -265,6 +289,18 @@ class OpenAIServing:
             ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
                              top_logprobs=[entry(t, v) for t, v in lp.top])
             for lp in logprobs])
+
+
+def _tool_call_delta(parser: ToolCallStream, d: Delta) -> tuple[ChatDelta, str | None]:
+    """A chat delta with what ``parser`` lets out of ``d``'s text (content, and each call whose
+    block closed), and the finish reason a choice that made calls ends with."""
+    content, calls = parser.feed(d.text)
+    if d.finish_reason is not None:
+        content += parser.finish()
+    first = parser.num_calls - len(calls)
+    chunks = [ToolCallChunk(index=first + k, id=c.id, function=c.function) for k, c in enumerate(calls)]
+    return (ChatDelta(content=content or None, tool_calls=chunks or None),
+            tool_finish_reason(d.finish_reason, parser.num_calls))
 
 
 def _include_usage(body: SamplingFields) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_LOGPROBS = 20   # OpenAI's bound for top_logprobs
 MAX_N = 16          # each choice is one engine request, so n costs n batch slots
@@ -144,7 +144,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     """One message of a conversation. ``tool_calls`` (assistant) and ``tool_call_id`` (tool) carry
-    a tool-use conversation to the chat template; the server makes no tool calls itself."""
+    a tool-use conversation to the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -176,14 +176,82 @@ class ChatMessage(_Strict):
         return message
 
 
+NO_GUIDED_DECODING = "needs guided decoding, which this server does not have"
+AUTO_OR_NONE = "use tool_choice 'auto' (the model decides whether to call a tool) or 'none'"
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None   # a JSON Schema of the arguments
+    strict: bool = False
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(f"strict function calling {NO_GUIDED_DECODING}; leave strict false")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict:
+        """The tool as chat templates read it (transformers' ``tools=``): the fields given."""
+        return {"type": self.type, "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
-    """Body of ``POST /v1/chat/completions``; ``max_tokens`` defaults to the rest of the context."""
+    """Body of ``POST /v1/chat/completions``; ``max_tokens`` defaults to the rest of the context.
+
+    ``tools`` reach the chat template; with ``tool_choice`` "auto" (the default when tools are
+    given) the generated text is parsed for Hermes-format tool calls, with "none" it is not.
+    "required" and a named function would need guided decoding: they are refused.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # after tools: its check reads them
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, v: list[Tool]) -> list[Tool]:
+        names = [t.function.name for t in v]
+        if repeated := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tool names must be unique; {', '.join(repeated)} appear more than once")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_fits_tools(cls, v: str | NamedToolChoice, info: ValidationInfo) -> str | NamedToolChoice:
+        tools = info.data.get("tools")   # absent when not given, or when invalid
+        if tools is None:
+            raise ValueError("tool_choice is only allowed with a valid tools list")
+        if isinstance(v, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if v.function.name not in names:
+                raise ValueError(f"tool_choice names the function '{v.function.name}', which is not in tools "
+                                 f"({', '.join(names)})")
+            raise ValueError(f"tool_choice naming a function {NO_GUIDED_DECODING}; {AUTO_OR_NONE}")
+        if v == "required":
+            raise ValueError(f"tool_choice 'required' {NO_GUIDED_DECODING}; {AUTO_OR_NONE}")
+        return v
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -194,6 +262,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the generated text is parsed for tool calls: tools given, tool_choice not "none"."""
+        return self.tools is not None and self.tool_choice != "none"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +326,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -272,9 +346,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallChunk(BaseModel):
+    """One call in a stream's ``delta.tool_calls``: whole, arguments included, once its block closed."""
+
+    index: int   # the call's place among the choice's calls
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(BaseModel):

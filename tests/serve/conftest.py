@@ -31,7 +31,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}{% if m['name'] is def
 # so most of them wait in the queue for pages.
 KV_CACHE_TOKENS = 512
 NUM_DRAFT_TOKENS = 6
-MAX_PROMPTS = 8
+MAX_SEQUENCES = 8
 MAX_REQUEST_BYTES = 2**21
 
 
@@ -52,7 +52,7 @@ def server(chat_target, tmp_path_factory):
     speculative steps commit several tokens; API key on; a small KV cache; small request limits."""
     config = write_serve_config(
         tmp_path_factory.mktemp("serve") / "speculative.yaml", MODEL,
-        limits={"max_prompts": MAX_PROMPTS, "max_request_bytes": MAX_REQUEST_BYTES}, target=str(chat_target),
+        limits={"max_sequences": MAX_SEQUENCES, "max_request_bytes": MAX_REQUEST_BYTES}, target=str(chat_target),
         drafter={"type": "draft_model", "path": str(chat_target)},
         tree={"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": NUM_DRAFT_TOKENS},
         verifier={"type": "rejection"}, kv_cache_tokens=KV_CACHE_TOKENS, spec_max_batch_size=8)

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from specflow import SpecEngine
 from specflow.serve import build_app
-from tests.serve.conftest import API_KEY, MAX_PROMPTS, MAX_REQUEST_BYTES, MODEL
+from tests.serve.conftest import API_KEY, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
 
@@ -62,8 +62,13 @@ BAD = [
     ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 5000}, 400, "context length"),
     ("prompt larger than the KV cache", "completions", {**GOOD, "prompt": [7] * 600}, 400, "KV cache"),
     ("token id outside the vocabulary", "completions", {**GOOD, "prompt": [1, 2, 100000]}, 400, "vocabulary"),
-    ("more prompts than limits.max_prompts", "completions", {**GOOD, "prompt": ["x"] * (MAX_PROMPTS + 1)},
+    ("more prompts than limits.max_sequences", "completions", {**GOOD, "prompt": ["x"] * (MAX_SEQUENCES + 1)},
      400, "prompt"),
+    ("prompts x n over limits.max_sequences", "completions", {**GOOD, "prompt": ["x"] * 3, "n": 3},
+     400, "3 prompt(s) x n=3 = 9 sequences"),
+    ("chat n over limits.max_sequences", "chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": MAX_SEQUENCES + 1},
+     400, f"1 prompt(s) x n={MAX_SEQUENCES + 1} = {MAX_SEQUENCES + 1} sequences"),
     ("body over limits.max_request_bytes", "completions", {**GOOD, "prompt": "x" * MAX_REQUEST_BYTES},
      413, "limits.max_request_bytes"),
 ]

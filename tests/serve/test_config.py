@@ -24,13 +24,13 @@ def test_shipped_serve_config_validates():
 
 def test_request_limits_default_and_override():
     cfg = load_serve_config(SERVE_YAML)
-    assert cfg.limits == RequestLimits(max_request_bytes=16 * 2**20, max_prompts=64)
-    cfg = load_serve_config(SERVE_YAML, ["limits.max_prompts=8", "limits.max_request_bytes=1024"])
-    assert cfg.limits == RequestLimits(max_request_bytes=1024, max_prompts=8)
+    assert cfg.limits == RequestLimits(max_request_bytes=16 * 2**20, max_sequences=64)
+    cfg = load_serve_config(SERVE_YAML, ["limits.max_sequences=8", "limits.max_request_bytes=1024"])
+    assert cfg.limits == RequestLimits(max_request_bytes=1024, max_sequences=8)
     with pytest.raises(ConfigError, match="unknown key 'max_body'"):
         load_serve_config(SERVE_YAML, ["limits.max_body=1"])
-    with pytest.raises(ConfigError, match="serve.limits: max_request_bytes and max_prompts must be >= 1"):
-        load_serve_config(SERVE_YAML, ["limits.max_prompts=0"])
+    with pytest.raises(ConfigError, match="serve.limits: max_request_bytes and max_sequences must be >= 1"):
+        load_serve_config(SERVE_YAML, ["limits.max_sequences=0"])
 
 
 def test_overrides_and_typos():
