@@ -45,7 +45,13 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     """Lightning ``Trainer`` settings; ``strategy`` (ddp, fsdp, ...), ``devices`` and ``num_nodes``
-    scale a recipe out with no code change. ``num_threads`` caps torch's CPU threads (None: leave)."""
+    scale a recipe out with no code change. ``num_threads`` caps torch's CPU threads (None: leave).
+
+    ``checkpoint_every_n_steps`` saves the whole training state (weights, optimiser, schedule,
+    step) to ``<log_dir>/checkpoints/last.ckpt`` every that many steps and when training stops;
+    ``resume`` (``last``: that file, or a ``.ckpt`` path) continues a run from one, up to this
+    config's ``max_steps`` (a resume mid-epoch starts that epoch's data order afresh).
+    """
 
     accelerator: str = "auto"
     devices: Any = "auto"
@@ -62,6 +68,12 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     num_threads: int | None = None
     num_workers: int = 0
+    checkpoint_every_n_steps: int | None = None
+    resume: str | None = None
+
+    def __post_init__(self):
+        if self.checkpoint_every_n_steps is not None:
+            check_at_least(self, 1, "checkpoint_every_n_steps")
 
 
 @dataclass

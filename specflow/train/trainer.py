@@ -29,6 +29,7 @@ def train(run: TrainConfig) -> TrainResult:
     """Fit the recipe with Lightning, then export the checkpoint and the loss curves."""
     import lightning as L
     from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
     if run.trainer.num_threads is not None:
@@ -37,6 +38,15 @@ def train(run: TrainConfig) -> TrainResult:
     recipe = build_component(RECIPES, run.recipe, "train.recipe")
     log_dir = Path(run.log_dir or Path("runs/train") / run.name)
     t = run.trainer
+    checkpoints = log_dir / "checkpoints"
+    resume = checkpoints / "last.ckpt" if t.resume == "last" else t.resume
+    if resume is not None and not Path(resume).is_file():
+        raise ConfigError(f"train.trainer.resume: no checkpoint at {resume} ('last' reads "
+                          f"<log_dir>/checkpoints/last.ckpt, written by trainer.checkpoint_every_n_steps)")
+    metrics = log_dir / "metrics.csv"
+    earlier = read_rows(metrics) if resume is not None else []   # (Lightning's CSV logger deletes the file)
+    callbacks = [] if t.checkpoint_every_n_steps is None else [ModelCheckpoint(
+        dirpath=checkpoints, every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=0, save_last=True)]
     try:  # before the recipe's setup (minutes: the target, the corpus), so a bad setting costs nothing
         trainer = L.Trainer(
             accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
@@ -44,9 +54,9 @@ def train(run: TrainConfig) -> TrainResult:
             val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
             limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
             gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, enable_model_summary=False,
-            num_sanity_val_steps=0, logger=CSVLogger(str(log_dir), name="", version=""),
-            default_root_dir=str(log_dir))
+            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+            enable_model_summary=False, num_sanity_val_steps=0,
+            logger=CSVLogger(str(log_dir), name="", version=""), default_root_dir=str(log_dir))
     except (MisconfigurationException, ValueError, TypeError) as e:
         raise ConfigError(f"train.trainer: {e}") from None
     job = recipe.setup(run)
@@ -59,33 +69,58 @@ def train(run: TrainConfig) -> TrainResult:
     val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers)
                   if job.val_data is not None else None)
     start = time.time()
-    trainer.fit(job.module, train_loader, val_loader)
+    trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
     wall = time.time() - start
+    if callbacks:  # the state where training stopped (max_steps, max_time), to continue from
+        trainer.save_checkpoint(checkpoints / "last.ckpt")
     state = trainer.strategy.lightning_module_state_dict()   # gathered in full under FSDP
     tokens = (trainer.global_step * t.accumulate_grad_batches * trainer.world_size
               * run.optim.batch_size * run.data.seq_len)
     summary = {"name": run.name, "steps": trainer.global_step, "tokens_seen": tokens, "wall_s": round(wall, 1),
                **{k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}, **job.info,
-               "checkpoint": str(run.output_dir), "curves": str(log_dir)}
+               "checkpoint": str(run.output_dir), "curves": str(log_dir),
+               **({"training_state": str(checkpoints / "last.ckpt")} if callbacks else {})}
     if trainer.is_global_zero:
         out = Path(run.output_dir)
         recipe.export(run, {k: v.detach().cpu() for k, v in state.items()}, out)
         dump_yaml(dataclasses.asdict(run), log_dir / "train_config.yaml")
         (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if (log_dir / "metrics.csv").exists():   # absent when nothing was logged (very short runs)
-            plot_losses(log_dir / "metrics.csv", log_dir / "loss.png", run.name)
+        if earlier:
+            join_curves(earlier, metrics)
+        if metrics.exists():   # absent when nothing was logged (very short runs)
+            plot_losses(metrics, log_dir / "loss.png", run.name)
     return TrainResult(summary, job.module)
+
+
+def read_rows(metrics_csv: Path) -> list[dict]:
+    """The rows of a Lightning CSV log ([] when there is none)."""
+    import csv
+
+    return list(csv.DictReader(metrics_csv.open())) if metrics_csv.exists() else []
+
+
+def join_curves(earlier: list[dict], metrics_csv: Path) -> None:
+    """Put a resumed run's earlier rows (those before its first new step) back in front of the
+    rows it logged, so the curves cover the whole run."""
+    import csv
+
+    rows = read_rows(metrics_csv)
+    first = min((int(r["step"]) for r in rows), default=None)
+    rows = [r for r in earlier if first is None or int(r["step"]) < first] + rows
+    keys = sorted({k for r in rows for k in r})
+    with metrics_csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot_losses(metrics_csv: Path, png: Path, title: str) -> None:
     """Every ``*loss``/``*ce`` column of Lightning's CSV log against the step, one PNG."""
-    import csv
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(metrics_csv.open()))
+    rows = read_rows(metrics_csv)
     keys = [k for k in (rows[0] if rows else {}) if k.endswith(("loss", "ce")) or "/ce" in k]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in keys:

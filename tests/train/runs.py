@@ -19,7 +19,7 @@ HEAD_STEPS = 120
 
 
 def tiny_config(tmp: Path, recipe: dict, *, target: Path | None = None, steps: int = 60, lr: float = 3e-3,
-                data: dict | None = None, **top) -> TrainConfig:
+                data: dict | None = None, trainer_extra: dict | None = None, **top) -> TrainConfig:
     """A TrainConfig for a seconds-long CPU run over two stdlib files (64-token sequences)."""
     return validate(TrainConfig, {
         "name": "test", "output_dir": str(tmp / "out"), "log_dir": str(tmp / "log"),
@@ -27,7 +27,7 @@ def tiny_config(tmp: Path, recipe: dict, *, target: Path | None = None, steps: i
         "data": {"max_files": 2, "seq_len": 64, "val_sequences": 4, **(data or {})},
         "optim": {"lr": lr, "warmup_steps": 5, "batch_size": 8, "weight_decay": 0.0},
         "trainer": {"max_steps": steps, "accelerator": "cpu", "devices": 1, "enable_progress_bar": False,
-                    "log_every_n_steps": 5, "val_check_interval": None},
+                    "log_every_n_steps": 5, "val_check_interval": None, **(trainer_extra or {})},
         **top}, "train")
 
 

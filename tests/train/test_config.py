@@ -44,6 +44,7 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("target", "recipe.model.num_heads=0", "num_heads must be >= 1, got 0"),
     ("eagle", "optim.batch_size=0", "train.optim: batch_size must be >= 1, got 0"),
     ("eagle", "data.seq_len=1", "train.data: seq_len must be >= 2, got 1"),
+    ("eagle", "trainer.checkpoint_every_n_steps=0", "train.trainer: checkpoint_every_n_steps must be >= 1, got 0"),
 ])
 def test_bad_values_fail_when_the_config_loads(config, override, named):
     with pytest.raises(ConfigError, match=named):

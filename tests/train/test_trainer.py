@@ -1,0 +1,51 @@
+"""The training loop's state: checkpoints every N steps and when training stops, and a resumed run
+continues that state (steps, weights, optimiser) rather than starting over."""
+
+import csv
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specflow.config import ConfigError
+from specflow.train import train
+from tests.train.runs import tiny_config
+
+SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+def resumed(cfg, **trainer):
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+
+
+def test_a_resumed_run_continues_the_saved_state(tmp_path, tiny_target):
+    cfg = tiny_config(tmp_path, {"type": "lm", "tokenizer": str(tiny_target), "model": SHAPE}, steps=6,
+                      trainer_extra={"checkpoint_every_n_steps": 4, "log_every_n_steps": 1})
+    first = train(cfg)
+    last = tmp_path / "log" / "checkpoints" / "last.ckpt"
+    assert first.summary["steps"] == 6 and first.summary["training_state"] == str(last)
+    state = torch.load(last, weights_only=False)
+    assert state["global_step"] == 6
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+
+    # resuming at the saved step trains no further: the export is the first run's, bit for bit
+    again = train(resumed(cfg, resume="last"))
+    assert again.summary["steps"] == 6
+    assert all(torch.equal(v, exported[k]) for k, v in load_file(tmp_path / "out" / "model.safetensors").items())
+
+    # resuming with a larger max_steps continues from step 6 with the saved optimiser state
+    more = train(resumed(cfg, resume=str(last), max_steps=9))
+    assert more.summary["steps"] == 9
+    optim = torch.load(last, weights_only=False)["optimizer_states"][0]["state"]
+    assert {int(s["step"]) for s in optim.values()} == {9}   # Adam's step count: 6 saved + 3 resumed
+    steps = [int(r["step"]) for r in csv.DictReader((tmp_path / "log" / "metrics.csv").open()) if r["train/ce"]]
+    assert steps == sorted(steps) and steps[0] < 6 <= steps[-1]   # the curve spans both parts
+
+
+def test_resume_without_a_checkpoint_fails_before_training(tmp_path, tiny_target):
+    cfg = tiny_config(tmp_path, {"type": "lm", "tokenizer": str(tiny_target), "model": SHAPE}, steps=2,
+                      trainer_extra={"resume": "last"})
+    with pytest.raises(ConfigError, match="train.trainer.resume: no checkpoint at .*last.ckpt"):
+        train(cfg)
+    assert not (tmp_path / "out").exists()
