@@ -1,4 +1,4 @@
-"""Greedy tree verification (SGLang ``verify_tree_greedy``)."""
+"""Exact-match tree verification: SGLang's ``verify_tree_greedy``, and its sampled counterpart."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import Tensor
 from specflow.registry import VERIFIERS
 from specflow.sampling import SamplingBatch
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import follow
+from verifiers.walk import exact_match
 
 
 @dataclass
@@ -19,21 +19,21 @@ class GreedyConfig:
 
 @VERIFIERS.register("greedy", config=GreedyConfig)
 class GreedyVerifier:
-    """Follow the target's argmax through the tree.
+    """Exact match: follow the target's own tokens through the tree (SGLang ``verify_tree_greedy``
+    at temperature 0).
 
     From the root, at each depth accept the first child (in index order) whose token is the
-    target's argmax at the last accepted node; stop when none is. Bonus = that argmax.
-    Lossless only at temperature 0: at higher temperatures it commits the target's mode, not a
-    sample (use ``rejection`` there).
+    target's token at the last accepted node; stop when none is. Bonus = that token. The target's
+    token is its argmax for greedy requests and a draw from its processed distribution for sampled
+    ones, so the output is the target's at any temperature (``walk.exact_match``). It ignores the
+    drafter's q: ``rejection`` uses it, and accepts more of a sampled tree's drafts.
     """
 
-    lossless = False
+    lossless = True
 
     @classmethod
     def from_config(cls, cfg: GreedyConfig, **_) -> "GreedyVerifier":
         return cls()
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
-        # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
-        # raw logits is the argmax of the processed probs (target_probs): no need to process
-        return follow(tree, target_logits.argmax(-1))                                    # [B, N] argmax
+        return exact_match(tree, target_logits, sampling)

@@ -11,7 +11,7 @@ from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import follow
+from verifiers.walk import exact_match
 
 
 @dataclass
@@ -39,7 +39,7 @@ class RejectionVerifier:
     trying point masses in order accepts child x exactly when a draw y ~ p at the node equals x
     (the first such child), and the residual then left is the law of y given that no child
     matched. So one target token is drawn at every node and the walk follows them
-    (``walk.follow``). With sampled drafts the rule runs as written, one child per request per
+    (``walk.exact_match``). With sampled drafts the rule runs as written, one child per request per
     iteration (``_walk``). Both run on the device with nothing read back. Uniforms: one per
     node from each request's generator (a child's coin, or a top-k node's draw) and one for the
     bonus.
@@ -52,13 +52,12 @@ class RejectionVerifier:
         return cls()
 
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
-        if bool(sampling.greedy.all()):  # p one-hot everywhere: every rule above takes the argmax
-            return follow(tree, target_logits.argmax(-1))
+        # top-k picks only (a draw at every node, followed), or p one-hot everywhere (every rule
+        # above takes the argmax)
+        if tree.draft_probs is None or bool(sampling.greedy.all()):
+            return exact_match(tree, target_logits, sampling)
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        u = uniforms(sampling.generators, tree.num_nodes + 1, probs.device)  # [B, N + 1]
-        if tree.draft_probs is None:  # top-k picks only: a draw at every node, followed
-            return follow(tree, sample_rows(probs, u[:, :-1]))
-        return self._walk(tree, probs, u)
+        return self._walk(tree, probs, uniforms(sampling.generators, tree.num_nodes + 1, probs.device))
 
     @staticmethod
     def _walk(tree: DraftTree, probs: Tensor, u: Tensor) -> Verdict:

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device
+from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
 from specflow.tree import DraftTree, Verdict, ancestor_mask
 
 
@@ -43,6 +44,20 @@ def follow(tree: DraftTree, targets: Tensor) -> Verdict:
     targets = targets.to(tree.tokens.device)
     accepted, accept_len, last = accept_path(tree, tree.tokens == targets.gather(1, tree.parents.clamp(min=0)))
     return Verdict(accepted, accept_len, targets.gather(1, last[:, None])[:, 0])
+
+
+def exact_match(tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
+    """Accept a child iff its token is the target's own token at its parent: the argmax for
+    greedy rows, else a draw from the processed distribution there (one uniform per node from
+    the row's generator), followed through the tree (``follow``). Each committed token is then a
+    fresh draw from the target given the tokens before it: lossless at any temperature, whatever
+    the drafts, and for top-k (point-mass) drafts exactly rejection sampling."""
+    if bool(sampling.greedy.all()):
+        # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
+        # raw logits is the argmax of the processed probs (target_probs): no need to process
+        return follow(tree, target_logits.argmax(-1))                                    # [B, N] argmax
+    probs = target_probs(target_logits, sampling)                                       # [B, N, V], greedy rows one-hot
+    return follow(tree, sample_rows(probs, uniforms(sampling.generators, tree.num_nodes, probs.device)))
 
 
 def draft_token_probs(probs: Tensor, tree: DraftTree) -> Tensor:

@@ -19,6 +19,7 @@ from tests.verifiers.oracle import (OracleDrafter, PathOracle, chi_square_pvalue
 from trees.chain import ChainBuilder
 from trees.eagle2 import Eagle2Builder
 from trees.static import StaticBuilder
+from verifiers.greedy import GreedyVerifier
 from verifiers.rejection import RejectionVerifier
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -39,6 +40,16 @@ def test_rejection_sampling_is_lossless(case):
     builder, params = CASES[case]
     target, drafter = make_pair(seed=7)
     counts = first_two_counts(builder, RejectionVerifier(), target, drafter, params, SAMPLES, seed=11)
+    assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
+
+
+@pytest.mark.parametrize("builder", [ChainBuilder(depth=3, sample=True), StaticBuilder(TREE)],
+                         ids=["sampled chain", "top-k tree"])
+def test_exact_match_is_lossless_when_sampling(builder):
+    """The greedy verifier at temperature > 0 follows the target's own draws (ignoring q)."""
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    target, drafter = make_pair(seed=7)
+    counts = first_two_counts(builder, GreedyVerifier(), target, drafter, params, SAMPLES, seed=5)
     assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
 
 
