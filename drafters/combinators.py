@@ -67,7 +67,9 @@ class DrafterGroup:
     def expand_all(self, frontier: Frontier) -> list[Expansion]:
         expansions = [d.expand(frontier) for d in self.drafters]
         for d, e in zip(self.drafters, expansions):
-            assert e.tokens.shape == (*frontier.nodes.shape, frontier.k), f"{type(d).__name__}: bad shape"
+            if e.tokens.shape != (*frontier.nodes.shape, frontier.k):
+                raise ValueError(f"{type(d).__name__}.expand returned tokens of shape {tuple(e.tokens.shape)}; "
+                                 f"expected [B, F, k] = {(*frontier.nodes.shape, frontier.k)}")
             if frontier.want_probs and e.probs is None:
                 raise ValueError(f"{type(d).__name__} gave no draft probabilities; sampled drafting "
                                  f"(want_probs) needs every combined drafter to return probs")

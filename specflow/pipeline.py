@@ -74,18 +74,26 @@ class Pipeline:
                 raise
             except ValueError as e:  # a value the component refuses
                 raise ConfigError(f"{where}{key}: {e}") from None
-        if isinstance(drafter, (str, dict, DictConfig)):
-            _, cfg = component_config(DRAFTERS, drafter, where + "drafter")
-            for name in ("path", "token_map"):  # (the drafters' files, read when the target has loaded)
-                value = getattr(cfg, name, None)
-                if value is not None and not Path(value).exists():
-                    raise ConfigError(f"{where}drafter.{name}: {value} does not exist")
+        _check_drafter(drafter, where + "drafter")
         return built[0], built[1]
 
     def describe(self) -> str:
         if self.drafter is None:
             return "autoregressive"
         return f"{self.drafter.type_name} x {self.tree.type_name} x {self.verifier.type_name}"
+
+
+def _check_drafter(node: Any, where: str) -> None:
+    """A drafter node's keys, types and files, and those of a combinator's children."""
+    if not isinstance(node, (str, dict, DictConfig)):
+        return
+    _, cfg = component_config(DRAFTERS, node, where)
+    for name in ("path", "token_map"):  # (the drafters' files, read when the target has loaded)
+        value = getattr(cfg, name, None)
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{where}.{name}: {value} does not exist")
+    for i, child in enumerate(getattr(cfg, "drafters", None) or []):  # union / fallback
+        _check_drafter(child, f"{where}.drafters[{i}]")
 
 
 def _build(registry, node: Any, where: str, ctx: dict) -> Any:

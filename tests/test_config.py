@@ -118,6 +118,11 @@ BAD_PIPELINES = [  # (a pipeline's nodes, what the error names): all found befor
     ({"verifier": {"type": "threshold", "threshold_single": 2.0}}, r"pipelines\[p\].verifier: .*threshold_single"),
     ({"drafter": {"type": "eagle", "path": "no/such/head"}},
      r"pipelines\[p\].drafter.path: no/such/head does not exist"),
+    ({"tree": {"type": "eagle2", "num_draft_tokens": 1}}, r"pipelines\[p\].tree: .*num_draft_tokens must be >= 2"),
+    ({"drafter": {"type": "union", "drafters": [{"type": "ngram"}, {"type": "eagel"}]}},
+     r"pipelines\[p\].drafter.drafters\[1\].type: unknown drafter type 'eagel'"),
+    ({"drafter": {"type": "fallback", "drafters": [{"type": "medusa", "path": "no/such/heads"}]}},
+     r"pipelines\[p\].drafter.drafters\[0\].path: no/such/heads does not exist"),
 ]
 
 

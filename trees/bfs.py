@@ -36,7 +36,8 @@ class BfsBuilder:
             (min_breadth >= 1, f"min_breadth must be >= 1, got {min_breadth}"),
             (max_breadth >= min_breadth, f"max_breadth must be >= min_breadth ({min_breadth}), got {max_breadth}"),
             (depth >= 1, f"depth must be >= 1, got {depth}"),
-            (num_draft_tokens >= 1, f"num_draft_tokens must be >= 1 (root included), got {num_draft_tokens}"),
+            (num_draft_tokens >= 2, f"num_draft_tokens must be >= 2 (root included: 1 is plain decoding), "
+                                    f"got {num_draft_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

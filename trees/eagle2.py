@@ -46,7 +46,8 @@ class Eagle2Builder:
         checks = [
             (topk >= 1, f"topk must be >= 1, got {topk}"),
             (depth >= 1, f"depth must be >= 1, got {depth}"),
-            (num_draft_tokens >= 1, f"num_draft_tokens must be >= 1 (root included), got {num_draft_tokens}"),
+            (num_draft_tokens >= 2, f"num_draft_tokens must be >= 2 (root included: 1 is plain decoding), "
+                                    f"got {num_draft_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

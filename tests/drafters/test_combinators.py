@@ -151,6 +151,24 @@ def test_want_probs_needs_every_drafter_to_give_probs():
         fallback.expand(chain_frontier([[1, 2, 1]], [[]], k=1, want_probs=True))
 
 
+class OneTooFew(TapsProbe):
+    """Returns one candidate fewer than the frontier asks for."""
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        return Expansion(tokens=torch.zeros(b, f, frontier.k - 1, dtype=torch.long),
+                         logprobs=torch.zeros(b, f, frontier.k - 1))
+
+
+@pytest.mark.parametrize("kind", [UnionDrafter, FallbackDrafter])
+def test_a_child_of_the_wrong_shape_is_named(kind):
+    group = kind([NgramDrafter(vocab_size=V), OneTooFew(())])
+    group.begin(features([[1, 2, 1]]))
+    with pytest.raises(ValueError, match=r"OneTooFew.expand returned tokens of shape \(1, 1, 1\); "
+                                         r"expected \[B, F, k\] = \(1, 1, 2\)"):
+        group.expand(chain_frontier([[1, 2, 1]], [[]], k=2))
+
+
 @pytest.mark.parametrize("kind", ["union", "fallback"])
 def test_config_errors(kind):
     with pytest.raises(ValueError, match=f"{kind} drafter needs at least one drafter"):
