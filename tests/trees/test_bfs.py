@@ -19,7 +19,7 @@ def test_breadth_shrinks_per_level():
     (16, 6, {1: 4, 2: 11}),              # 4 + 4*3 = 16 > 15: the budget ends inside level 2
     (64, 6, {1: 4, 2: 12, 3: 24, 4: 23}),  # 4, 12, 24, then 24 of level 4 minus what no longer fits
     (64, 2, {1: 4, 2: 12}),              # depth caps it
-    (1, 6, {}),
+    (2, 6, {1: 1}),
 ])
 def test_full_drafter_fills_levels_in_bfs_order(n, depth, per_level):
     builder = BfsBuilder(min_breadth=1, max_breadth=4, depth=depth, num_draft_tokens=n)
@@ -47,7 +47,7 @@ def test_missing_children_leave_budget_for_deeper_levels():
 
 
 @settings(max_examples=30, deadline=None)
-@given(min_breadth=st.integers(1, 3), extra=st.integers(0, 3), depth=st.integers(1, 5), n=st.integers(1, 24),
+@given(min_breadth=st.integers(1, 3), extra=st.integers(0, 3), depth=st.integers(1, 5), n=st.integers(2, 24),
        batch=st.integers(1, 3), seed=st.integers(0, 2**16), max_children=st.sampled_from([None, 1, 3]))
 def test_bfs_builds_valid_trees(min_breadth, extra, depth, n, batch, seed, max_children):
     builder = BfsBuilder(min_breadth=min_breadth, max_breadth=min_breadth + extra, depth=depth,
@@ -64,7 +64,7 @@ def test_bfs_builds_valid_trees(min_breadth, extra, depth, n, batch, seed, max_c
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"min_breadth": 0}, "min_breadth"), ({"min_breadth": 3, "max_breadth": 2}, "max_breadth"),
-    ({"depth": 0}, "depth"), ({"num_draft_tokens": 0}, "num_draft_tokens"),
+    ({"depth": 0}, "depth"), ({"num_draft_tokens": 1}, "num_draft_tokens"),
 ])
 def test_bad_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
