@@ -118,21 +118,41 @@ def build_component(registry: Registry, node: Any, where: str | None = None, **c
 
 
 def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfig:
-    """Read a YAML file and apply ``key=value`` dotlist overrides on top."""
+    """Read a YAML file and apply ``key=value`` dotlist overrides on top.
+
+    An override merges into the node it names, except where it switches a component's type
+    (``tree.type=chain``, or ``tree={type: static, preset: medusa_63}`` over another type): the
+    node is then replaced, so the old type's keys do not carry over to the new one.
+    """
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     for override in overrides or []:
         key, eq, _ = override.partition("=")
         if not eq or not key:
             raise ConfigError(f"override '{override}' must look like key=value")
         try:  # (update, not merge: a key may index a list, as in pipelines.0.tree.depth=3)
             value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)  # the value parsed as YAML
-            OmegaConf.update(cfg, key, value, merge=True)
+            parent, _, last = key.rpartition(".")
+            if last == "type" and _switches_type(OmegaConf.select(cfg, parent) if parent else None, value):
+                key, value = parent, {"type": value}
+            old = OmegaConf.select(cfg, key)
+            merge = not (isinstance(value, (dict, DictConfig)) and "type" in value and _switches_type(old, value["type"]))
+            OmegaConf.update(cfg, key, value, merge=merge)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             raise ConfigError(f"override '{override}': {str(e).splitlines()[0]}") from None
     return cfg
+
+
+def _switches_type(node: Any, new_type: Any) -> bool:
+    """Whether ``node`` is a component (a mapping with a ``type``, or a type name) of another type
+    than ``new_type``."""
+    old_type = node.get("type") if isinstance(node, DictConfig) else node
+    return isinstance(old_type, str) and old_type != new_type
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:

@@ -167,3 +167,23 @@ def test_overrides_index_lists():
     cfg, pipelines = load_experiment(CONFIGS[0], ["pipelines.1.tree.depth=2", "pipelines.0.name=first"])
     assert pipelines[1].tree["depth"] == 2 and pipelines[0].name == "first"
     assert [p.name for p in pipelines[1:]] == [p.name for p in load_experiment(CONFIGS[0])[1][1:]]
+
+
+def test_an_override_that_switches_a_component_type_replaces_its_node(tmp_path):
+    """The old type's keys do not carry over (eagle2's topk is no static tree key); the same
+    type's keys merge as before."""
+    dump_yaml({"engine": {"target": "t"}, "pipelines": [
+        {"name": "p", "drafter": "ngram", "tree": {"type": "eagle2", "topk": 2, "depth": 3}}]}, tmp_path / "x.yaml")
+    for override, tree in [
+        ("pipelines.0.tree={type: static, preset: medusa_63}", {"type": "static", "preset": "medusa_63"}),
+        ("pipelines.0.tree.type=chain", {"type": "chain"}),
+        ("pipelines.0.tree={type: eagle2, depth: 5}", {"type": "eagle2", "topk": 2, "depth": 5}),
+        ("pipelines.0.tree.type=eagle2", {"type": "eagle2", "topk": 2, "depth": 3}),
+    ]:
+        assert load_experiment(tmp_path / "x.yaml", [override])[1][0].tree == tree, override
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text("pipelines: [1, 2\nname: x\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: .* line 1, column"):
+        load_yaml(tmp_path / "bad.yaml")
