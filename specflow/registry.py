@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Callable
 
 ENTRY_POINT_GROUP = "specflow.components"
@@ -98,13 +99,43 @@ _plugins_loaded = False
 
 
 def load_plugins() -> None:
-    """Import every module of the ``specflow.components`` entry-point group (once)."""
+    """Import every module of the ``specflow.components`` entry-point group (once). specflow's
+    own packages (``drafters``, ``trees``, ``verifiers``) must be the ones that load: a module of
+    the same name found first on ``sys.path`` (a ``drafters.py`` beside a script) is an error."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
+    home = Path(__file__).resolve().parent.parent   # where specflow's built-in packages live
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+        module = ep.load()
+        where = Path(getattr(module, "__file__", None) or home).resolve()   # (a package: its __init__.py)
+        if ep.dist is not None and ep.dist.name == "specflow" and where.parent != home / ep.value:
+            _plugins_loaded = False
+            raise RegistryError(f"'{ep.value}' was imported from {where}, which is not specflow's built-in "
+                                f"{ep.value} package (in {home}): a module of that name earlier on sys.path "
+                                f"(e.g. the script's folder or the working directory) shadows it; rename it")
+
+
+def load_module(spec: str) -> None:
+    """Import a module of components that registers itself (``@DRAFTERS.register(...)``), without
+    packaging it: a ``.py`` file path, or a module name importable from the working directory."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if spec.endswith(".py"):
+        path = Path(spec).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"plugin {spec}: no such file")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        module_spec.loader.exec_module(module)
+        return
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    importlib.import_module(spec)
 
 
 def describe(cls: type) -> list[tuple[str, str, Any]]:

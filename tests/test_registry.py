@@ -1,0 +1,54 @@
+"""Components from outside specflow's packages: a module loaded by path or name registers its
+drafters, and a module that shadows a built-in package is named rather than used."""
+
+import subprocess
+import sys
+import textwrap
+
+SUFFIX_DRAFTER = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    from drafters.ngram import NgramDrafter
+    from specflow.registry import DRAFTERS
+
+
+    @dataclass
+    class EchoConfig:
+        pass
+
+
+    @DRAFTERS.register("echo", config=EchoConfig)
+    class EchoDrafter(NgramDrafter):
+        @classmethod
+        def from_config(cls, cfg, vocab_size=None, **_):
+            return cls(vocab_size=vocab_size)
+''')
+
+
+def python(code: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_plugin_module_registers_by_path_or_by_name(tmp_path):
+    (tmp_path / "my_drafters.py").write_text(SUFFIX_DRAFTER)
+    for spec in (str(tmp_path / "my_drafters.py"), "my_drafters"):
+        run = python(f"""
+            from specflow.config import build_component
+            from specflow.registry import DRAFTERS, load_module
+            load_module({spec!r})
+            print(type(build_component(DRAFTERS, {{"type": "echo"}}, vocab_size=8)).__name__)
+            """, cwd=tmp_path)
+        assert run.stdout.strip() == "EchoDrafter", run.stderr
+
+
+def test_a_module_shadowing_a_builtin_package_is_named(tmp_path):
+    (tmp_path / "drafters.py").write_text("ECHO = 1\n")
+    run = python("""
+        import sys
+        sys.path.insert(0, "")   # as when a script in this folder runs
+        from specflow.registry import DRAFTERS
+        DRAFTERS.names()
+        """, cwd=tmp_path)
+    assert run.returncode != 0
+    assert f"'drafters' was imported from {tmp_path / 'drafters.py'}" in run.stderr and "rename it" in run.stderr
