@@ -78,10 +78,13 @@ class Registry:
 DRAFTERS = Registry("drafter", """\
 A drafter answers "what could follow these tree nodes, and how likely?" (specflow.protocols.Drafter).
   needs: TargetNeeds            - the target features it reads (none, last hidden, layer taps)
-  begin(requests, target_out)   - new requests after prefill: build per-request state
-  expand(frontier) -> Expansion - top-k children (+ log-probs, + full q when asked) of frontier nodes
-  commit(verdict, target_out)   - the accepted path of each request (+ its target features)
-  release(request_ids)          - forget finished or cancelled requests""")
+  begin(features)               - new requests after prefill (TargetFeatures): build per-request state
+  expand(frontier) -> Expansion - k children of each frontier node [B, F]: token ids in [0, V),
+                                  log-probs [B, F, k] (-inf: no child), and with frontier.want_probs
+                                  the full q [B, F, V] (rows summing to 1) they were drawn from
+  commit(verdict, features)     - the accepted path of each request (+ its target features)
+  release(request_ids)          - forget finished or cancelled requests
+  from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""")
 
 TREE_BUILDERS = Registry("tree", """\
 A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).

@@ -102,7 +102,10 @@ class GrowingTree:
         if out.probs is None:
             raise ValueError(f"{name}.expand returned no probs although the frontier asked "
                              "for them (want_probs=True, sampled drafting)")
-        q = out.probs.float()  # [B, F, V]
+        # [B, F, V], rows normalised: a q that does not sum to 1 (top-k probs left unnormalised)
+        # is drawn from as its normalised law (Gumbel-top-k ranks log q), which the verifier must see
+        q = out.probs.float()
+        q = q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         self._record_probs(nodes, q)
         if self._sample_rows:
             rows = torch.tensor(self._sample_rows, device=nodes.device)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specflow.sampling import SamplingBatch, SamplingParams, make_generator, sample_rows, target_probs
-from specflow.tree import DraftTree
+from specflow.tree import DraftTree, Expansion
 from tests.verifiers.test_greedy import VOCAB, random_trees
 from tests.verifiers.oracle import (OracleDrafter, PathOracle, chi_square_pvalue, first_two_counts,
                                    first_two_probs, make_pair, speculative_step)
@@ -50,6 +50,26 @@ def test_exact_match_is_lossless_when_sampling(builder):
     params = SamplingParams(temperature=0.9, top_p=0.95)
     target, drafter = make_pair(seed=7)
     counts = first_two_counts(builder, GreedyVerifier(), target, drafter, params, SAMPLES, seed=5)
+    assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
+
+
+class HalfMassDrafter(OracleDrafter):
+    """Its q is the oracle's top 3 probabilities, not renormalised (rows sum to less than 1)."""
+
+    def expand(self, frontier):
+        e = super().expand(frontier)
+        if e.probs is None:
+            return e
+        kth = e.probs.topk(3, dim=-1).values[..., -1:]                     # [B, F, 1]
+        return Expansion(e.tokens, e.logprobs, e.probs.masked_fill(e.probs < kth, 0.0))
+
+
+def test_a_drafter_q_that_does_not_sum_to_one_stays_lossless():
+    """Its draws follow the normalised q, so the verifier must divide by that, not by q."""
+    params = SamplingParams(temperature=1.0)
+    target, drafter = make_pair(seed=7)
+    counts = first_two_counts(ChainBuilder(depth=3, sample=True), RejectionVerifier(), target,
+                              HalfMassDrafter(drafter.oracle), params, SAMPLES, seed=3)
     assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
 
 
