@@ -374,7 +374,7 @@ class SpecEngine:
                 logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
             if self.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
-                                            new[-1], timings))
+                                            new[-1], timings, len(batch)))
             if not req.finished:
                 live.append((b, req, accepted))
         self._add_logprobs(out.logits, logprobs)
@@ -528,7 +528,8 @@ class SpecEngine:
                 req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
             if self.record_steps:  # the one-node tree of DraftTree.root_only
                 tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
-                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings))
+                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings,
+                                            len(flight.batch)))
             if req.finished:
                 finished.append(self._finish(req))
         return finished

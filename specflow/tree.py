@@ -245,14 +245,19 @@ class Verdict:
 
 @dataclass
 class StepRecord:
-    """One speculative step of one request: tree + verdict + timings; JSON-serialisable."""
+    """One speculative step of one request: tree + verdict + timings; JSON-serialisable.
+
+    ``timings`` are the whole engine step's, which verified ``batch_size`` requests together:
+    every request of the step carries the same numbers (per request: divide, or count each
+    step once)."""
 
     request_id: int
     step: int
     tree: dict            # DraftTree.to_json
     accepted: list[int]   # node indices, root first
     bonus_token: int
-    timings: dict[str, float]  # seconds per stage: draft, verify (target forward + verifier)
+    timings: dict[str, float]  # seconds per stage of the step: draft, verify (target forward + verifier)
+    batch_size: int = 1        # requests in the step the timings cover
 
     @property
     def accept_length(self) -> int:

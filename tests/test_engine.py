@@ -268,3 +268,17 @@ def test_decoding_ahead_records_root_only_steps(tiny_target):
         tree = DraftTree.root_only(Roots([s.request_id], torch.tensor([root]), torch.tensor([0]), [[root]],
                                          [torch.Generator()], torch.tensor([True])))
         assert s.tree == tree.to_json()[0] and s.accepted == [0] and s.timings["verify"] > 0
+    assert {s.batch_size for s in out.steps} == {1}
+
+
+def test_step_records_say_how_many_requests_shared_the_step(tiny_target):
+    """Two requests of different lengths run side by side, then the longer one alone: each
+    record's batch_size is the step's, and the batch steps' records share their timings."""
+    e = SpecEngine(tiny_target, {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"},
+                   device="cpu", dtype="float32", record_steps=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 24)]
+    short, long = e.generate(PROMPTS[:2], params)
+    shared = len(short.steps)
+    assert {s.batch_size for s in short.steps} == {s.batch_size for s in long.steps[:shared]} == {2}
+    assert {s.batch_size for s in long.steps[shared:]} == {1}
+    assert all(a.timings == b.timings for a, b in zip(short.steps, long.steps))
