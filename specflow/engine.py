@@ -84,7 +84,9 @@ class SpecEngine:
 
     ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
     speedup), one step ahead of the host (``_decode``). Component nodes are
-    ``{"type": name, **params}`` mappings (see ``specflow list``).
+    ``{"type": name, **params}`` mappings (see ``specflow list``). ``check_drafts`` checks every
+    drafted tree (structure, token ids in the vocabulary, finite non-negative q) and names the
+    drafter that broke one: for developing drafters (it waits for the device every step).
     """
 
     def __init__(self, target: str | Path | LlamaForCausalLM, drafter: Any = None, tree: Any = None,
@@ -92,7 +94,7 @@ class SpecEngine:
                  device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "auto",
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
                  spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
-                 record_steps: bool = False):
+                 record_steps: bool = False, check_drafts: bool = False):
         tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
             drafter, tree if tree is not None else {"type": "chain"},
             verifier if verifier is not None else {"type": "rejection"})
@@ -128,6 +130,7 @@ class SpecEngine:
         self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
         self.spec_max_batch_size = spec_max_batch_size
         self.record_steps = record_steps
+        self.check_drafts = check_drafts
         self.eos_token_ids = list(self.model.config.eos_token_ids)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -140,7 +143,7 @@ class SpecEngine:
         return cls(cfg.target, cfg.drafter, cfg.tree, cfg.verifier, device=cfg.device, dtype=cfg.dtype,
                    backend=cfg.backend, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
                    max_batch_size=cfg.max_batch_size, spec_max_batch_size=cfg.spec_max_batch_size,
-                   cuda_graphs=cfg.cuda_graphs, record_steps=cfg.record_steps)
+                   cuda_graphs=cfg.cuda_graphs, record_steps=cfg.record_steps, check_drafts=cfg.check_drafts)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":
@@ -302,13 +305,30 @@ class SpecEngine:
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
         if rows and not self._trees_fit(batch, rows):
             rows = []
-        if len(rows) == len(batch):
-            return self.tree_builder.build(self.drafter, roots)
-        plain = DraftTree.root_only(roots)
         if not rows:
-            return plain
-        return plain.pad_to(self.tree_builder.num_draft_tokens).place(
-            rows, self.tree_builder.build(self.drafter, roots.select(rows)))
+            return DraftTree.root_only(roots)
+        tree = self.tree_builder.build(self.drafter, roots if len(rows) == len(batch) else roots.select(rows))
+        if self.check_drafts:
+            self._check_tree(tree)
+        if len(rows) == len(batch):
+            return tree
+        return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree)
+
+    def _check_tree(self, tree: DraftTree) -> None:
+        """``check_drafts``: the tree's structure, its token ids and its drafts' q, each read
+        back from the device (a wait per step: for developing drafters, not for timing them)."""
+        where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree_builder).__name__}"
+        try:
+            tree.check()
+        except AssertionError as e:
+            raise ValueError(f"{where} built an invalid draft tree: {e}") from None
+        tokens, vocab = tree.tokens[tree.valid], self.model.config.vocab_size
+        if bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise ValueError(f"{where} drafted token ids outside [0, {vocab}) (the target's vocabulary): "
+                             f"min {int(tokens.min())}, max {int(tokens.max())}")
+        q = tree.draft_probs
+        if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
+            raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
 
     def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
         """One batched target pass over every tree: every node when CUDA graphs want one fixed

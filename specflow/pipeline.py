@@ -35,6 +35,7 @@ class EngineConfig:
     spec_max_batch_size: int | None = None
     cuda_graphs: bool | None = None
     record_steps: bool = False
+    check_drafts: bool = False     # check every drafted tree (structure, token ids, q): for new drafters
 
 
 @dataclass

@@ -5,6 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specflow import SamplingParams, SpecEngine
+from specflow.tree import Expansion, Frontier
+from tests.stateless import StatelessDrafter
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90, 91, 92, 300]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -282,3 +284,28 @@ def test_step_records_say_how_many_requests_shared_the_step(tiny_target):
     assert {s.batch_size for s in short.steps} == {s.batch_size for s in long.steps[:shared]} == {2}
     assert {s.batch_size for s in long.steps[shared:]} == {1}
     assert all(a.timings == b.timings for a, b in zip(short.steps, long.steps))
+
+
+class BrokenDrafter(StatelessDrafter):
+    """Proposes token ``token`` under every node, with q ``q_value`` everywhere when asked."""
+
+    def __init__(self, token: int, q_value: float = 1.0):
+        self.token, self.q_value = token, q_value
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        q = torch.full((b, f, 320), self.q_value) if frontier.want_probs else None  # (the tiny target's V)
+        return Expansion(torch.full((b, f, frontier.k), self.token), torch.full((b, f, frontier.k), -1.0), q)
+
+
+@pytest.mark.parametrize("drafter, tree, message", [
+    (BrokenDrafter(10_000), {"type": "chain", "depth": 2}, r"drafted token ids outside \[0, \d+\).*max 10000"),
+    (BrokenDrafter(-3), {"type": "chain", "depth": 2}, r"drafted token ids outside .*min -3"),
+    (BrokenDrafter(5, q_value=float("nan")), {"type": "chain", "depth": 2, "sample": True},
+     "returned draft probabilities q with NaN, infinite or negative entries"),
+])
+def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, tree, message):
+    engine = SpecEngine(tiny_target, drafter, tree, {"type": "rejection"}, device="cpu", dtype="float32",
+                        check_drafts=True)
+    with pytest.raises(ValueError, match="the BrokenDrafter drafter with the ChainBuilder " + message):
+        engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
