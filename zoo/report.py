@@ -119,6 +119,9 @@ def _eval_table(results: dict) -> str:
     """Per pipeline: accepted tokens per step, tokens/s and speedup from ``specflow run``'s results."""
     rows = ["| pipeline | accepted tokens / step | tokens/s | speedup |", "|---|---|---|---|"]
     for name, p in results["pipelines"].items():
+        if "error" in p:
+            rows.append(f"| {name} | failed: {p['error']} | | |")
+            continue
         rows.append(f"| {name} | {p['accept_length']:.2f} | {p['tokens_per_s']:.1f} | {p['speedup']:.2f}x |")
     return "\n".join(rows) + ("\n\nAccepted tokens per step count the accepted drafts plus the bonus token; "
                               "EAGLE-2 trees of 16 draft tokens (topk 4, depth 6); every pipeline's output "

@@ -221,6 +221,7 @@ class Lane:
             log.exception("pipeline %s failed", self.name)
             self.close()
             self.state, self.error = "error", f"{type(e).__name__}: {e}"
+            self.stats.baseline_tokens_per_s = None  # a crashed lane shows no speedup
             return
         self.stats.seconds += time.perf_counter() - t0
         out = next((o for o in finished if o.request_id == self.request_id), None)
@@ -249,9 +250,12 @@ def start_lane(pool: EnginePool, pipeline: PipelineConfig, prompt: str, params: 
 def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingParams,
            stop: threading.Event) -> Iterator[list[Lane]]:
     """Step running lanes in turn, yielding after each round; when all are done, add the speedup
-    against plain decoding of the same prompt. ``stop`` ends the generation between steps."""
+    against plain decoding of the same prompt (not to a lane that failed). ``stop`` ends the
+    generation between steps."""
     def attach(baseline: tuple[float, list[int]]) -> None:
         for lane in lanes:
+            if lane.state == "error":
+                continue
             lane.stats.baseline_tokens_per_s = baseline[0]
             if params.greedy and lane.state == "done":
                 lane.stats.matches_baseline = lane.token_ids == baseline[1]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specflow.bench.prompts import Prompt, load_suite
-from specflow.bench.report import write_report
+from specflow.bench.report import best_pipeline, write_report
 from specflow.config import ConfigError, dump_yaml, load_yaml, validate
 from specflow.engine import SpecEngine, check_runtime, load_tokenizer, resolve_device
 from specflow.models import load_model
@@ -58,8 +60,14 @@ class ExperimentConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     batch_size: int = 1                    # requests in flight together
-    warmup: int = 1                        # untimed prompts before each pipeline
+    # untimed requests before each pipeline, on seeded random token ids as long as the first prompt
+    # (same sampling and max_tokens): never a suite prompt, which a drafter that learns across
+    # requests (ngram scope: global) would then have seen before it is timed
+    warmup: int = 1
     output_dir: str = "runs"
+
+
+ROW_KEYS = ("id", "category", "tokens", "steps", "accept_lengths", "seconds", "batch")  # rows.jsonl
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tuple[ExperimentConfig, list[PipelineConfig]]:
@@ -97,69 +105,111 @@ def sampling_params(sampling: SamplingConfig, i: int) -> SamplingParams:
 
 
 def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:
-    """Generate every prompt (``cfg.batch_size`` at a time); one row per prompt with its timing."""
+    """Warm up, then generate every prompt (``cfg.batch_size`` at a time); one row per prompt with
+    its batch's index and wall time (and its StepRecords when the engine records them)."""
     sampling, batch_size = cfg.sampling, cfg.batch_size
     texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
                                                    add_generation_prompt=True) if cfg.prompts.chat_template else p.text
              for p in prompts]
     params = [sampling_params(sampling, i) for i in range(len(prompts))]
-    for i in range(min(cfg.warmup, len(prompts))):
-        engine.generate([texts[i]], params[i])
+    warm_len = len(engine.encode(texts[0]))
+    vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
+    for i in range(cfg.warmup):
+        ids = torch.randint(vocab, (warm_len,), generator=torch.Generator().manual_seed(i)).tolist()
+        engine.generate([ids], dataclasses.replace(params[0], ignore_eos=True))
     rows = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
+    for batch, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False)):
         chunk = slice(start, start + batch_size)
         t0 = time.perf_counter()
         outs = engine.generate(texts[chunk], params[chunk])
         engine.synchronize()  # (plain decoding may leave a forward queued)
         seconds = time.perf_counter() - t0
         for p, out in zip(prompts[chunk], outs):
-            rows.append({"id": p.id, "category": p.category, "seconds": seconds,
+            rows.append({"id": p.id, "category": p.category, "batch": batch, "seconds": seconds,
                          "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
-                         "step_tokens": sum(out.accept_lengths),
-                         "accept_lengths": out.accept_lengths, "token_ids": out.token_ids})
+                         "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
+                         "token_ids": out.token_ids, "step_records": out.steps})
     return rows
 
 
 def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True) -> dict:
     """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category;
     for ``greedy`` runs also the share of prompts whose tokens match the baseline's (sampled runs
-    are exact in distribution, not token for token)."""
+    are exact in distribution, not token for token).
 
-    def stats(sel: list[dict], base: list[dict] | None) -> dict:
+    A selection's seconds are the wall times of its distinct batches. A category whose batches
+    also hold other categories' prompts cannot be timed apart from them: it gets its accept
+    length but no tokens/s or speedup."""
+
+    def seconds(sel: list[dict]) -> float:
+        return sum({r["batch"]: r["seconds"] for r in sel}.values())  # every row holds its batch's time
+
+    def stats(sel: list[dict], base: list[dict] | None, timed: bool) -> dict:
         tokens = sum(r["tokens"] for r in sel)
-        seconds = sum(r["seconds"] for r in {id(r): r for r in sel}.values())
         steps = sum(r["steps"] for r in sel)
         out = {"prompts": len(sel), "tokens": tokens,
-               "accept_length": sum(r["step_tokens"] for r in sel) / max(1, steps),
-               "tokens_per_s": tokens / max(seconds, 1e-9)}
-        if base is not None:
-            base_s = sum(r["tokens"] for r in base) / max(sum(r["seconds"] for r in base), 1e-9)
-            out["speedup"] = out["tokens_per_s"] / base_s
-            if greedy:
-                out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
+               "accept_length": sum(r["step_tokens"] for r in sel) / max(1, steps)}
+        if timed:
+            out["tokens_per_s"] = tokens / max(seconds(sel), 1e-9)
+            if base is not None:
+                out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(seconds(base), 1e-9))
+        if base is not None and greedy:
+            out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
         return out
 
     lat = torch.tensor([r["seconds"] for r in rows])
-    summary = stats(rows, baseline)
+    summary = stats(rows, baseline, timed=True)
     summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
     summary["categories"] = {}
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]
         base = [r for r in baseline if r["category"] == cat] if baseline else None
-        summary["categories"][cat] = stats(sel, base)
+        batches = {r["batch"] for r in sel}
+        mixed = any(r["batch"] in batches and r["category"] != cat for r in rows)
+        summary["categories"][cat] = stats(sel, base, timed=not mixed)
     return summary
 
 
+def git_commit() -> str | None:
+    """The commit of the specflow checkout this runs from; None when it is not a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # no git
+        return None
+    lines = out.stdout.splitlines()
+    # an installed copy may sit inside another repository: only the checkout's own commit counts
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != root:
+        return None
+    return lines[1]
+
+
+def failed_pipelines(results: dict) -> str:
+    """'' when every pipeline finished, else a line naming those that raised and their errors."""
+    failed = {n: s["error"] for n, s in results["pipelines"].items() if "error" in s}
+    if not failed:
+        return ""
+    return (f"{len(failed)} pipeline(s) failed: " + "; ".join(f"{n} ({e})" for n, e in failed.items())
+            + " (tracebacks above; the others' results are written)")
+
+
 def run_experiment(path: str | Path, overrides: list[str] | None = None) -> dict:
-    """Run an experiment YAML; writes runs/<name>/{results.json, results.md, config.yaml, *.png}."""
+    """Run an experiment YAML; writes runs/<name>/{results.json, results.md, config.yaml, speedup.png,
+    rows.jsonl} (and steps.jsonl with ``engine.record_steps``)."""
     cfg, pipelines = load_experiment(path, overrides)
     return execute(cfg, pipelines)
 
 
-def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
-    """Run the baseline and every pipeline over the prompt suite, write the results directory."""
+def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool = False) -> dict:
+    """Run the baseline and every pipeline over the prompt suite, write the results directory.
+
+    A pipeline that raises is recorded as ``{"error": ...}`` (traceback on stderr) and the others
+    still run. ``rank`` (sweep) names the fastest finished pipeline ``best``."""
     out_dir = Path(cfg.output_dir) / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl"):  # a previous run's
+        (out_dir / stale).unlink(missing_ok=True)
     dump_yaml(dataclasses.asdict(cfg) | {"pipelines": [dataclasses.asdict(p) for p in pipelines]},
               out_dir / "config.yaml")
     e = cfg.engine
@@ -176,27 +226,49 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig]) -> dict:
         del node["target"]
         return SpecEngine(model, tokenizer=tokenizer, **node)
 
+    all_rows = {}
+
+    def record(name: str, rows: list[dict]) -> None:
+        all_rows[name] = rows
+        with open(out_dir / "rows.jsonl", "a") as f:
+            for r in rows:
+                f.write(json.dumps({"pipeline": name} | {k: r[k] for k in ROW_KEYS}) + "\n")
+        if e.record_steps:
+            with open(out_dir / "steps.jsonl", "a") as f:
+                for r in rows:
+                    for step in r["step_records"]:
+                        f.write(json.dumps({"pipeline": name, "id": r["id"]} | step.to_json()) + "\n")
+        for r in rows:
+            del r["step_records"]  # written, not kept: the trees of a whole suite add up
+
+    def save() -> None:  # after every pipeline: the files agree, and one that fails later loses nothing
+        if rank:
+            results["best"] = best_pipeline(results)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        write_report(results, all_rows, out_dir)
+
     print(f"{cfg.name}: {len(prompts)} prompts, target {e.target} on {device}/{str(dtype).split('.')[-1]}")
     baseline = run_pipeline(engine_for(None), prompts, cfg, "baseline")
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
+               "torch_version": torch.__version__, "git_commit": git_commit(),
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
-               "pipelines": {"baseline": summarize(baseline, None)}}
+               "sampling": dataclasses.asdict(cfg.sampling), "pipelines": {"baseline": summarize(baseline, None)}}
     results["pipelines"]["baseline"]["speedup"] = 1.0
-    all_rows = {"baseline": baseline}
-
-    def save() -> None:  # after every pipeline: one that fails later loses nothing that finished
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
-
+    record("baseline", baseline)
     save()
     for p in pipelines:
-        engine = engine_for(p)
-        rows = run_pipeline(engine, prompts, cfg, p.name)
-        results["pipelines"][p.name] = summarize(rows, baseline, greedy=cfg.sampling.temperature == 0)
-        results["pipelines"][p.name] |= {"lossless": engine.verifier.lossless,
-                                         "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
-        all_rows[p.name] = rows
+        try:
+            engine = engine_for(p)
+            rows = run_pipeline(engine, prompts, cfg, p.name)
+        except Exception as err:  # a component's bug costs its own pipeline only
+            traceback.print_exc()
+            results["pipelines"][p.name] = {"error": f"{type(err).__name__}: {err}"}
+        else:
+            results["pipelines"][p.name] = summarize(rows, baseline, greedy=cfg.sampling.temperature == 0)
+            results["pipelines"][p.name] |= {"lossless": engine.verifier.lossless,
+                                             "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
+            record(p.name, rows)
         save()
-    write_report(results, all_rows, out_dir)
     print((out_dir / "results.md").read_text())
     print(f"wrote {out_dir}/")
     return results

@@ -4,42 +4,79 @@ from __future__ import annotations
 
 from pathlib import Path
 
+NOISE_MARK = "†"
+
+
+def best_pipeline(results: dict) -> str | None:
+    """The finished pipeline (not the baseline) with the highest speedup; None when none finished."""
+    finished = {n: s for n, s in results["pipelines"].items() if n != "baseline" and "error" not in s}
+    return max(finished, key=lambda n: finished[n]["speedup"], default=None)
+
 
 def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> None:
-    """A markdown table per pipeline and per category, plus speedup and accepted-length plots."""
+    """A markdown table per pipeline and per category, failed pipelines apart with their errors,
+    plus speedup and accepted-length plots of the finished ones."""
+    finished = {n: s for n, s in results["pipelines"].items() if "error" not in s}
+    noisy, untimed = False, False
+
+    def speedup(s: dict) -> str:
+        nonlocal noisy, untimed
+        if "tokens_per_s" not in s:
+            untimed = True
+            return "-"
+        value = s.get("speedup", 1.0)  # (the baseline's categories: 1 by definition)
+        # a step that verifies a tree costs at least a decode step: more than the accept length is noise
+        mark = NOISE_MARK if value > s["accept_length"] else ""
+        noisy |= bool(mark)
+        return f"{value:.2f}x{mark}"
+
+    commit = (results["git_commit"] or "not a git checkout")[:12]
     lines = [f"# {results['name']}", "",
              f"target `{results['target']}` on {results['device']} ({results['dtype']}), "
-             f"batch size {results['batch_size']}, {results['num_prompts']} prompts; speedup is against "
-             f"the autoregressive baseline measured in the same run. Lossless: the verifier keeps the "
-             f"target's distribution at any temperature (at temperature 0 every pipeline is exact); matches "
-             f"baseline: greedy runs only.", "",
+             f"batch size {results['batch_size']}, {results['num_prompts']} prompts, temperature "
+             f"{results['sampling']['temperature']}, max_tokens {results['sampling']['max_tokens']}; torch "
+             f"{results['torch_version']}, specflow {commit}. Speedup is against the autoregressive baseline "
+             f"measured in the same run. Lossless: the verifier keeps the target's distribution at any "
+             f"temperature (at temperature 0 every pipeline is exact); matches baseline: greedy runs only.", "",
              "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline | p50 s | p99 s |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, s in results["pipelines"].items():
+    for name, s in finished.items():
         match = f"{s['matches_baseline']:.0%}" if "matches_baseline" in s else "-"
         lossless = {True: "yes", False: "no", None: "-"}[s.get("lossless")]
-        lines.append(f"| {name} | {lossless} | {s['accept_length']:.2f} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x "
+        lines.append(f"| {name} | {lossless} | {s['accept_length']:.2f} | {s['tokens_per_s']:.1f} | {speedup(s)} "
                      f"| {match} | {s['latency_s']['p50']:.3f} | {s['latency_s']['p99']:.3f} |")
     lines += ["", "## Per category (accept length / speedup)", ""]
-    cats = sorted(next(iter(results["pipelines"].values()))["categories"])
+    cats = sorted(results["pipelines"]["baseline"]["categories"])
     lines += ["| pipeline | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
-    for name, s in results["pipelines"].items():
-        cells = [f"{s['categories'][c]['accept_length']:.2f} / {s['categories'][c].get('speedup', 1.0):.2f}x"
-                 for c in cats]
+    for name, s in finished.items():
+        cells = [f"{s['categories'][c]['accept_length']:.2f} / {speedup(s['categories'][c])}" for c in cats]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if noisy:
+        lines += ["", f"{NOISE_MARK} speedup above the accept length: a step that verifies a tree costs at least "
+                      "a plain decode step, so this is timing noise; time more prompts or tokens."]
+    if untimed:
+        lines += ["", "\"-\": the category shares its batches with other categories' prompts (batch size > 1), so "
+                      "its time cannot be told apart from theirs; its accept length stands."]
+    if "best" in results:
+        best = results["best"]
+        lines += ["", "## Best", "", f"`{best}`: speedup {finished[best]['speedup']:.2f}x, accept length "
+                                     f"{finished[best]['accept_length']:.2f}" if best else "no point finished"]
+    failed = {n: s["error"] for n, s in results["pipelines"].items() if "error" in s}
+    if failed:
+        lines += ["", "## Failed pipelines", ""] + [f"- `{n}`: {err}" for n, err in failed.items()]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
-    _plots(results, rows, out_dir)
+    _plots(finished, rows, out_dir)
 
 
-def _plots(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> None:
+def _plots(finished: dict[str, dict], rows: dict[str, list[dict]], out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["pipelines"])
+    names = list(finished)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar(names, [results["pipelines"][n]["speedup"] for n in names], color="tab:blue")
+    ax1.bar(names, [finished[n]["speedup"] for n in names], color="tab:blue")
     ax1.axhline(1.0, color="gray", lw=1, ls="--")
     ax1.set_ylabel("speedup vs baseline (same run)")
     ax1.tick_params(axis="x", rotation=30)

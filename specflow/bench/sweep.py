@@ -20,7 +20,11 @@ def parse_grid(grid: list[str]) -> dict[str, list]:
         section, _, param = key.partition(".")
         if not values or not param or section not in ("drafter", "tree", "verifier"):
             raise ConfigError(f"--grid '{item}' must look like tree.topk=2,4 (drafter., tree. or verifier. keys)")
+        if key in axes:
+            raise ConfigError(f"--grid {key} is given twice; list its values once: {key}=v1,v2,...")
         axes[key] = [_number(v) for v in values.split(",")]
+        if len(set(axes[key])) != len(axes[key]):
+            raise ConfigError(f"--grid {key}: a value is repeated in '{values}'; each point is run once")
     return axes
 
 
@@ -51,16 +55,15 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
 
 
 def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = None) -> dict:
-    """Sweep the first pipeline of an experiment over ``grid``; prints the best configuration."""
+    """Sweep the first pipeline of an experiment over ``grid``; the fastest point that finished is
+    ``best`` in results.json and results.md, and printed."""
     cfg, pipelines = load_experiment(path, overrides)
     if not pipelines:
         raise ConfigError("sweep: the experiment has no pipelines to sweep")
     points = grid_pipelines(pipelines[0], parse_grid(grid))  # every point checked before anything loads
     cfg = dataclasses.replace(cfg, name=f"{cfg.name}-sweep")
-    results = execute(cfg, points)
-    ranked = sorted(((n, s) for n, s in results["pipelines"].items() if n != "baseline"),
-                    key=lambda item: item[1]["speedup"], reverse=True)
-    best, stats = ranked[0]
-    print(f"best: {best}  (speedup {stats['speedup']:.2f}x, accept length {stats['accept_length']:.2f})")
-    results["best"] = best
+    results = execute(cfg, points, rank=True)
+    if (best := results["best"]) is not None:
+        stats = results["pipelines"][best]
+        print(f"best: {best}  (speedup {stats['speedup']:.2f}x, accept length {stats['accept_length']:.2f})")
     return results

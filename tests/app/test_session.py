@@ -135,3 +135,29 @@ def test_stop_ends_the_generation_and_frees_the_requests(pool):
             stop.set()
     assert lanes[0].state == "stopped" and lanes[0].stats.tokens < PARAMS.max_tokens
     assert not lanes[0].engine.has_unfinished()
+
+
+def test_a_lane_that_crashes_shows_no_speedup(pool, monkeypatch):
+    prompt = "x = 1\ny = 2\nx = 1\ny = "  # its own baseline: measured after the first generation, then cached
+    ok = PipelineConfig("ngram", {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"})
+    buggy = PipelineConfig("buggy", {"type": "ngram", "max_window": 2}, {"type": "chain", "depth": 3},
+                           {"type": "greedy"})
+    engine = pool.engine(buggy)
+    first_step = engine.step
+
+    def crash():
+        raise RuntimeError("drafter bug")
+
+    def prefill_then_crash():
+        monkeypatch.setattr(engine, "step", crash)
+        return first_step()
+
+    for cached in (False, True):
+        assert (pool.cached_baseline(prompt, PARAMS) is not None) == cached
+        monkeypatch.setattr(engine, "step", prefill_then_crash)
+        lanes = [start_lane(pool, ok, prompt, PARAMS), start_lane(pool, buggy, prompt, PARAMS)]
+        for _ in stream(pool, lanes, prompt, PARAMS, threading.Event()):
+            pass
+        assert lanes[0].state == "done" and lanes[0].stats.speedup > 0
+        assert lanes[1].state == "error" and lanes[1].error == "RuntimeError: drafter bug"
+        assert lanes[1].stats.tokens > 0 and lanes[1].stats.speedup is None

@@ -2,15 +2,21 @@
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+from specflow.bench.experiment import summarize
 from specflow.bench.prompts import load_suite
+from specflow.bench.sweep import parse_grid
 from specflow.cli import main
+from specflow.config import ConfigError
 from specflow.models.random import make_random_checkpoint
 
-SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def write_config(tmp_path, target, pipelines: str) -> Path:
@@ -27,17 +33,21 @@ pipelines:
     return path
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target):
     path = write_config(tmp_path, tiny_target, """
   - name: pld
     drafter: {type: ngram, max_window: 3}
     tree: {type: chain, depth: 3}
-    verifier: {type: greedy}
+    verifier: {type: typical}
   - name: self-eagle2
     drafter: {type: draft_model, path: %s, kv_cache_tokens: 4096}
     tree: {type: eagle2, topk: 2, depth: 3, num_draft_tokens: 6}
     verifier: {type: rejection}""" % tiny_target)
-    assert main(["run", str(path), "sampling.max_tokens=6"]) == 0
+    assert main(["run", str(path), "sampling.max_tokens=6", "engine.record_steps=true"]) == 0
     out = tmp_path / "runs" / "tiny"
     results = json.loads((out / "results.json").read_text())
     assert set(results["pipelines"]) == {"baseline", "pld", "self-eagle2"}
@@ -48,34 +58,112 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
         if name != "baseline":
             assert stats["matches_baseline"] == 1.0 and stats["speedup"] > 0
     assert results["pipelines"]["self-eagle2"]["accept_length"] > 1.5  # the target drafting itself
-    assert [results["pipelines"][p]["lossless"] for p in ("pld", "self-eagle2")] == [False, True]  # (greedy verifier)
+    assert [results["pipelines"][p]["lossless"] for p in ("pld", "self-eagle2")] == [False, True]
+    assert results["sampling"]["max_tokens"] == 6 and results["torch_version"] == torch.__version__
+    if (ROOT / ".git").exists():  # a commit of this checkout (HEAD may have moved on since)
+        commit = results["git_commit"]
+        assert re.fullmatch("[0-9a-f]{40}", commit)
+        assert subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"]).returncode == 0
+    else:
+        assert results["git_commit"] is None
     assert "sampling:\n  temperature: 0.0\n  top_k: -1" in (out / "config.yaml").read_text()
     assert "max_tokens: 6" in (out / "config.yaml").read_text()
     assert "| self-eagle2 | yes |" in (out / "results.md").read_text()
     assert (out / "speedup.png").stat().st_size > 0
 
-    # a sampled run is exact in distribution, not token for token: no token comparison is made
-    assert main(["run", str(path), "sampling.max_tokens=3", "sampling.temperature=0.8", "name=sampled"]) == 0
+    # every prompt's row, and with engine.record_steps every step of every request
+    rows = read_jsonl(out / "rows.jsonl")
+    assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
+                                                          for b in (0, 1)]
+    assert set(rows[0]) == {"pipeline", "id", "category", "tokens", "steps", "accept_lengths", "seconds", "batch"}
+    steps = read_jsonl(out / "steps.jsonl")
+    for r in rows:
+        mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
+        assert len(mine) == r["steps"] and all(len(s["accepted"]) >= 1 for s in mine)
+    assert {"tree", "bonus_token", "timings"} <= set(steps[-1])
+
+    # a sampled run is exact in distribution, not token for token: no token comparison is made.
+    # Batched, tokens/s counts each batch's wall time once; its one batch holds both categories,
+    # so they are not timed apart
+    assert main(["run", str(path), "sampling.max_tokens=3", "sampling.temperature=0.8", "name=sampled",
+                 "batch_size=2"]) == 0
     sampled = json.loads((tmp_path / "runs" / "sampled" / "results.json").read_text())["pipelines"]
     assert not any("matches_baseline" in stats for stats in sampled.values())
+    rows = read_jsonl(tmp_path / "runs" / "sampled" / "rows.jsonl")
+    assert {r["batch"] for r in rows} == {0} and not (tmp_path / "runs" / "sampled" / "steps.jsonl").exists()
+    for name, stats in sampled.items():
+        (seconds,) = {r["seconds"] for r in rows if r["pipeline"] == name}
+        assert stats["tokens_per_s"] == pytest.approx(stats["tokens"] / seconds)
+        assert all("tokens_per_s" not in c and "speedup" not in c and c["accept_length"] >= 1
+                   for c in stats["categories"].values())
+    report = (tmp_path / "runs" / "sampled" / "results.md").read_text()
+    assert re.search(r"\| pld \| \d\.\d\d / - \| \d\.\d\d / - \|", report)
+    assert '"-": the category shares its batches with other categories' in report
 
 
-def test_sweep_prints_the_best_configuration(tmp_path, tiny_target, capsys):
+def test_tokens_per_s_counts_each_batch_once():
+    def rows(seconds: tuple[float, float]) -> list[dict]:  # batch 0 holds two code prompts, batch 1 two others
+        return [{"id": str(i), "category": cat, "batch": i // 2, "seconds": seconds[i // 2], "tokens": 10,
+                 "steps": 5, "step_tokens": 10, "accept_lengths": [2] * 5, "token_ids": [i] * 10}
+                for i, cat in enumerate(["code", "code", "math", "chat"])]
+
+    summary = summarize(rows((1.0, 2.0)), rows((2.0, 4.0)))
+    assert summary["tokens_per_s"] == pytest.approx(40 / 3) and summary["speedup"] == pytest.approx(2.0)
+    code, math = summary["categories"]["code"], summary["categories"]["math"]
+    assert code["tokens_per_s"] == pytest.approx(20 / 1) and code["speedup"] == pytest.approx(2.0)
+    # math shares its batch with chat: accept length, but no time of its own
+    assert math == {"prompts": 1, "tokens": 10, "accept_length": 2.0, "matches_baseline": 1.0}
+
+
+def test_warmup_never_shows_a_drafter_a_suite_prompt(tmp_path, tiny_target):
+    """A drafter that learns across requests (a global n-gram trie) must not have seen a timed
+    prompt's continuation in the warm-up: warming up changes no accept length."""
+    path = write_config(tmp_path, tiny_target, """
+  - name: global
+    drafter: {type: ngram, scope: global, max_window: 4}
+    tree: {type: chain, depth: 5}
+    verifier: {type: greedy}""")
+    accept = {}
+    for warmup in (0, 1):
+        assert main(["run", str(path), f"warmup={warmup}", f"name=w{warmup}", "prompts.categories=[code]",
+                     "sampling.max_tokens=16"]) == 0
+        results = json.loads((tmp_path / "runs" / f"w{warmup}" / "results.json").read_text())
+        accept[warmup] = results["pipelines"]["global"]["accept_length"]
+    assert accept[1] == accept[0]
+
+
+def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
+    other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """
   - name: chain
     drafter: {type: draft_model, path: %s, kv_cache_tokens: 4096}
     tree: {type: chain, depth: 2}
     verifier: {type: greedy}""" % tiny_target)
-    assert main(["sweep", str(path), "--grid", "tree.depth=1,3", "sampling.max_tokens=5"]) == 0  # (override last)
-    printed = capsys.readouterr().out
-    assert "best: depth=" in printed
-    results = json.loads((tmp_path / "runs" / "tiny-sweep" / "results.json").read_text())
-    assert set(results["pipelines"]) == {"baseline", "depth=1", "depth=3"}
-    assert results["pipelines"]["depth=3"]["tokens"] == 2 * 5
+    # (override last); the other-vocabulary points fail, the sweep goes on and ranks the rest
+    with pytest.raises(SystemExit, match=r"specflow sweep: error: 2 pipeline\(s\) failed: depth=1,path=\S+other "
+                                         r"\(CheckpointError: draft model vocabulary \(300\) differs"):
+        main(["sweep", str(path), "--grid", "tree.depth=1,3", "--grid", f"drafter.path={tiny_target},{other_vocab}",
+              "sampling.max_tokens=5"])
+    out = tmp_path / "runs" / "tiny-sweep"
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["pipelines"]) == 5 and results["pipelines"][f"depth=3,path={tiny_target}"]["tokens"] == 2 * 5
+    best = results["best"]
+    assert best in (f"depth=1,path={tiny_target}", f"depth=3,path={tiny_target}")
+    assert f"best: {best}  (speedup" in capsys.readouterr().out
+    assert f"## Best\n\n`{best}`: speedup" in (out / "results.md").read_text()
+
+
+def test_parse_grid_refuses_a_point_given_twice():
+    assert parse_grid(["tree.depth=3,5", "drafter.max_window=2"]) == {"tree.depth": [3, 5], "drafter.max_window": [2]}
+    with pytest.raises(ConfigError, match="--grid tree.depth: a value is repeated in '3,3.0'"):
+        parse_grid(["tree.depth=3,3.0"])
+    with pytest.raises(ConfigError, match="--grid tree.depth is given twice"):
+        parse_grid(["tree.depth=3", "tree.depth=5"])
 
 
 @pytest.mark.parametrize("grid,message", [
     ("tree=2,3", "--grid 'tree=2,3' must look like tree.topk=2,4"),
+    ("tree.depth=3,3", "--grid tree.depth: a value is repeated in '3,3'"),
     ("tree.depth=2,0", "--grid point depth=0: tree: .*depth must be >= 1"),
     ("verifier.type=greedy,exact", "--grid point type=exact: verifier.type: unknown verifier type 'exact'")])
 def test_sweep_checks_every_grid_point_before_the_target_loads(tmp_path, capsys, grid, message):
@@ -98,7 +186,7 @@ def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
     assert "unknown key 'max_windw'; valid keys: min_window, max_window" in capsys.readouterr().err
 
 
-def test_a_failing_pipeline_keeps_the_finished_ones(tmp_path, tiny_target, capsys):
+def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_target, capsys):
     other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """
   - name: pld
@@ -108,11 +196,26 @@ def test_a_failing_pipeline_keeps_the_finished_ones(tmp_path, tiny_target, capsy
   - name: wrong-vocab
     drafter: {type: draft_model, path: %s}
     tree: {type: chain, depth: 2}
+    verifier: {type: greedy}
+  - name: after
+    drafter: {type: ngram, max_window: 2}
+    tree: {type: chain, depth: 2}
     verifier: {type: greedy}""" % other_vocab)
-    assert main(["run", str(path)]) == 2
-    assert "vocabulary (300) differs" in capsys.readouterr().err
-    results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())
-    assert set(results["pipelines"]) == {"baseline", "pld"} and results["pipelines"]["pld"]["tokens"] == 2 * 8
+    out = tmp_path / "runs" / "tiny"
+    out.mkdir(parents=True)
+    (out / "results.md").write_text("| old-pipeline | ... |\n")  # a previous run's report
+    with pytest.raises(SystemExit, match="specflow run: error: 1 pipeline\\(s\\) failed: wrong-vocab "
+                                         "\\(CheckpointError: draft model vocabulary \\(300\\) differs"):
+        main(["run", str(path), "sampling.max_tokens=4"])
+    assert "Traceback" in capsys.readouterr().err
+    pipelines = json.loads((out / "results.json").read_text())["pipelines"]
+    assert list(pipelines) == ["baseline", "pld", "wrong-vocab", "after"] and pipelines["after"]["tokens"] == 2 * 4
+    assert pipelines["wrong-vocab"] == {"error": "CheckpointError: draft model vocabulary (300) differs from the "
+                                                 "target's (320); a draft model must share the tokenizer"}
+    report = (out / "results.md").read_text()
+    assert "old-pipeline" not in report and "| after | " in report
+    failed = report.index("## Failed pipelines")
+    assert report.count("wrong-vocab") == 1 and report.index("`wrong-vocab`: CheckpointError") > failed
 
 
 def test_question_jsonl_loader():

@@ -1,0 +1,31 @@
+"""results.md: failed pipelines apart from the numbers, untimed categories, implausible speedups flagged."""
+
+from specflow.bench.report import best_pipeline, write_report
+
+LATENCY = {"p50": 0.1, "p90": 0.1, "p99": 0.1}
+
+
+def test_report_flags_noise_and_untimed_categories_and_lists_failures_apart(tmp_path):
+    baseline = {"prompts": 2, "tokens": 20, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+                "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0},
+                                                     "chat": {"accept_length": 1.0}}}
+    fast = {"prompts": 2, "tokens": 20, "accept_length": 2.0, "tokens_per_s": 300.0, "speedup": 3.0,
+            "lossless": True, "matches_baseline": 1.0, "latency_s": LATENCY,
+            "categories": {"code": {"accept_length": 2.0, "tokens_per_s": 150.0, "speedup": 1.5},
+                           "chat": {"accept_length": 1.5}}}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 2, "num_prompts": 2,
+               "sampling": {"temperature": 0.0, "max_tokens": 10}, "torch_version": "2.5", "git_commit": None,
+               "pipelines": {"baseline": baseline, "fast": fast, "broken": {"error": "ValueError: bad draft"}}}
+    assert best_pipeline(results) == "fast"                       # the failed point is not ranked
+    results["best"] = "fast"
+    write_report(results, {"baseline": [{"accept_lengths": [1] * 10}], "fast": [{"accept_lengths": [2] * 5}]},
+                 tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    # a 3x speedup from 2 tokens a step cannot be real: marked, and the mark explained
+    assert "| fast | yes | 2.00 | 300.0 | 3.00x† | 100% |" in md and "† speedup above the accept length" in md
+    # chat shares its batches with other categories: its accept length, no speedup, and why
+    assert "| baseline | 1.00 / - | 1.00 / 1.00x |" in md and "| fast | 1.50 / - | 2.00 / 1.50x |" in md
+    assert '"-": the category shares its batches' in md
+    assert "## Best\n\n`fast`: speedup 3.00x, accept length 2.00" in md
+    assert md.count("broken") == 1 and "## Failed pipelines\n\n- `broken`: ValueError: bad draft" in md
+    assert (tmp_path / "speedup.png").stat().st_size > 0
