@@ -7,6 +7,7 @@ import os
 import sys
 
 from specflow.config import ConfigError
+from specflow.registry import load_module
 
 THREADS_HELP = "torch intra-op threads (default: torch's; small models often run faster with 1)"
 
@@ -34,17 +35,20 @@ def _set_threads(threads: int | None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from specflow.bench.experiment import run_experiment
+    from specflow.bench.experiment import failed_pipelines, run_experiment
 
     _set_threads(args.threads)
-    run_experiment(args.config, args.overrides)
+    if failed := failed_pipelines(run_experiment(args.config, args.overrides)):
+        raise SystemExit(f"specflow run: error: {failed}")
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
+    from specflow.bench.experiment import failed_pipelines
     from specflow.bench.sweep import run_sweep
 
     _set_threads(args.threads)
-    run_sweep(args.config, args.grid, args.overrides)
+    if failed := failed_pipelines(run_sweep(args.config, args.grid, args.overrides)):
+        raise SystemExit(f"specflow sweep: error: {failed}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("sweep", help="grid over tree parameters; prints the best configuration")
+    p = sub.add_parser("sweep", help="grid over pipeline parameters; saves and prints the best point")
     p.add_argument("config")
     p.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -153,14 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=7860)
     p.set_defaults(fn=cmd_app)
 
+    for name in ("list", "run", "sweep", "serve", "app"):
+        sub.choices[name].add_argument(
+            "--plugin", action="append", default=[], metavar="MODULE",
+            help="import a module of components first: a .py file or a module name (repeatable)")
+
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides may follow an option (sweep ... --grid tree.depth=3,5 sampling.seed=1)
         if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     try:
+        for spec in getattr(args, "plugin", []):
+            load_module(spec)
         args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"specflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

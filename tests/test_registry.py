@@ -52,3 +52,18 @@ def test_a_module_shadowing_a_builtin_package_is_named(tmp_path):
         """, cwd=tmp_path)
     assert run.returncode != 0
     assert f"'drafters' was imported from {tmp_path / 'drafters.py'}" in run.stderr and "rename it" in run.stderr
+
+
+def test_the_cli_loads_plugins_before_the_command(tmp_path):
+    (tmp_path / "my_drafters.py").write_text(SUFFIX_DRAFTER)
+    run = python("""
+        from specflow.cli import main
+        main(["list", "--plugin", "my_drafters.py"])
+        """, cwd=tmp_path)
+    assert "  echo " in run.stdout, run.stderr
+    run = python("""
+        import sys
+        from specflow.cli import main
+        sys.exit(main(["list", "--plugin", "no_such_module"]))
+        """, cwd=tmp_path)
+    assert run.returncode == 2 and "No module named 'no_such_module'" in run.stderr
