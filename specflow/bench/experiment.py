@@ -160,6 +160,7 @@ def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True
     lat = torch.tensor([r["seconds"] for r in rows])
     summary = stats(rows, baseline, timed=True)
     summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
+    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"]])
     summary["categories"] = {}
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]
@@ -168,6 +169,14 @@ def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True
         mixed = any(r["batch"] in batches and r["category"] != cat for r in rows)
         summary["categories"][cat] = stats(sel, base, timed=not mixed)
     return summary
+
+
+def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:
+    """EAGLE's per-depth acceptance rates from the tokens each step committed (drafts + bonus):
+    entry d - 1 is the share of steps that accepted a depth-d draft among those that accepted
+    depth d - 1 (depth 0: every step), up to the deepest accepted depth."""
+    reached = [sum(n - 1 >= d for n in accept_lengths) for d in range(max(accept_lengths, default=1))]
+    return [reached[d] / reached[d - 1] for d in range(1, len(reached))]
 
 
 def git_commit() -> str | None:

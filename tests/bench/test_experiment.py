@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import summarize
+from specflow.bench.experiment import acceptance_by_depth, summarize
 from specflow.bench.prompts import load_suite
 from specflow.bench.sweep import parse_grid
 from specflow.cli import main
@@ -227,3 +227,9 @@ def test_question_jsonl_loader():
     assert sorted(p.category for p in some) == ["math_reasoning"] * 3 + ["translation"] * 3
     with pytest.raises(ValueError, match="unknown category 'poetry'; known: "):
         load_suite(str(SPEC_BENCH), categories=["poetry"])
+
+
+def test_acceptance_by_depth_is_conditional_on_the_depth_before():
+    # drafts accepted per step: 0, 0, 1, 2, 3 -> depth 1: 3 of 5 steps, depth 2: 2 of those 3, depth 3: 1 of 2
+    assert acceptance_by_depth([1, 1, 2, 3, 4]) == [3 / 5, 2 / 3, 1 / 2]
+    assert acceptance_by_depth([1, 1]) == [] and acceptance_by_depth([]) == []
