@@ -65,7 +65,7 @@ def test_greedy_equals_plain_decoding(model, tiny_target, tiny_draft, baseline, 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(1, 319), min_size=1, max_size=24),
-       topk=st.integers(1, 4), depth=st.integers(1, 4), num_draft_tokens=st.integers(1, 12),
+       topk=st.integers(1, 4), depth=st.integers(1, 4), num_draft_tokens=st.integers(2, 12),
        page_size=st.sampled_from([1, 2, 16]), max_tokens=st.integers(1, 16))
 def test_random_eagle2_trees_with_draft_model_are_lossless(model, tiny_target, prompt, topk, depth,
                                                            num_draft_tokens, page_size, max_tokens):
