@@ -43,10 +43,16 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
     for values in itertools.product(*axes.values()):
         p = copy.deepcopy(base)
         for key, value in zip(axes, values):
-            section, _, param = key.partition(".")
+            section, *path, param = key.split(".")
             node = getattr(p, section)
+            for part in path:  # nested keys: drafter.drafters.0.max_window
+                try:
+                    node = node[int(part)] if isinstance(node, list) else node[part]
+                except (KeyError, IndexError, ValueError, TypeError):
+                    node = None
+                    break
             if not isinstance(node, dict):
-                raise ConfigError(f"--grid {key}: the pipeline has no {section} node")
+                raise ConfigError(f"--grid {key}: the pipeline has no {'.'.join([section, *path])} node")
             node[param] = value
         p.name = ",".join(f"{k.split('.', 1)[1]}={v}" for k, v in zip(axes, values))
         Pipeline.check(p.drafter, p.tree, p.verifier, f"--grid point {p.name}: ")

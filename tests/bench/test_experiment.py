@@ -10,7 +10,8 @@ import torch
 
 from specflow.bench.experiment import acceptance_by_depth, summarize
 from specflow.bench.prompts import load_suite
-from specflow.bench.sweep import parse_grid
+from specflow.bench.experiment import PipelineConfig
+from specflow.bench.sweep import grid_pipelines, parse_grid
 from specflow.cli import main
 from specflow.config import ConfigError
 from specflow.models.random import make_random_checkpoint
@@ -159,6 +160,18 @@ def test_parse_grid_refuses_a_point_given_twice():
         parse_grid(["tree.depth=3,3.0"])
     with pytest.raises(ConfigError, match="--grid tree.depth is given twice"):
         parse_grid(["tree.depth=3", "tree.depth=5"])
+
+
+def test_grid_keys_reach_nested_nodes():
+    base = PipelineConfig("u", {"type": "union", "drafters": [{"type": "ngram"}, {"type": "ngram", "scope": "global"}]},
+                          {"type": "chain"}, {"type": "greedy"})
+    points = grid_pipelines(base, parse_grid(["drafter.drafters.1.max_window=2,4"]))
+    assert [p.drafter["drafters"][1] for p in points] == [{"type": "ngram", "scope": "global", "max_window": w}
+                                                          for w in (2, 4)]
+    assert base.drafter["drafters"][1] == {"type": "ngram", "scope": "global"}
+    with pytest.raises(ConfigError, match="--grid drafter.drafters.5.max_window: the pipeline has no "
+                                          "drafter.drafters.5 node"):
+        grid_pipelines(base, parse_grid(["drafter.drafters.5.max_window=2"]))
 
 
 @pytest.mark.parametrize("grid,message", [
