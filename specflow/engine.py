@@ -296,15 +296,16 @@ class SpecEngine:
         )
 
     def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
-        """The tree of every request; requests that do not speculate get the root only, and so does
-        every request when the target's pool cannot hold full trees: a plain step, rather than
-        preempting or cutting a request short. That is decided before any draw (the pool's room
-        for trees of ``num_draft_tokens`` nodes), as giving up a drawn tree for its size would
-        bias sampled drafts whose size depends on their draws."""
+        """The tree of every request; requests that do not speculate get the root only, and so do
+        those whose full trees the target's pool cannot hold: the first speculating rows that fit
+        draft (eagerly; with CUDA graphs, whose one shape pads every row to N, all rows or none),
+        rather than preempting or cutting a request short. That is decided before any draw (the
+        pool's room for trees of ``num_draft_tokens`` nodes), as giving up a drawn tree for its
+        size would bias sampled drafts whose size depends on their draws."""
         on = self.spec_max_batch_size is None or len(batch) <= self.spec_max_batch_size
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
-        if rows and not self._trees_fit(batch, rows):
-            rows = []
+        while rows and not self._trees_fit(batch, rows):
+            rows = rows[:-1] if self.runner.graphs is None else []
         if not rows:
             return DraftTree.root_only(roots)
         tree = self.tree_builder.build(self.drafter, roots if len(rows) == len(batch) else roots.select(rows))

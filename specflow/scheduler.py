@@ -14,8 +14,10 @@ class Scheduler:
 
     A request is admitted when the pool can hold its sequence plus one tree of ``num_draft_tokens``
     nodes (plus one token when nothing runs: a step without room for trees verifies the roots
-    only). When even that step runs out of pages, the newest running request is preempted: its
-    KV is freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+    only), next to the next tree of every running request: a newcomer never takes the room the
+    running batch speculates in (vLLM's lookahead slots), which would turn every step plain. When
+    even a plain step runs out of pages, the newest running request is preempted: its KV is freed
+    and it goes back to the front of the queue, to be recomputed from its tokens later.
     """
 
     def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int):
@@ -34,13 +36,16 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests that fit into the running batch; returns them (to be prefilled)."""
         admitted = []
-        free = self.cache.allocator.num_free
+        n = self.num_draft_tokens
+        ids = [r.id for r in self.running]
+        lens = [r.seq_len - 1 + n for r in self.running]  # K/V of all but the root, then a tree from it
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            lookahead = self.num_draft_tokens if self.running or admitted else 1
-            need = self.cache.pages_needed(self.waiting[0].seq_len + lookahead)
-            if need > free:
+            head = self.waiting[0]
+            lookahead = n if self.running or admitted else 1
+            if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
                 break
-            free -= need
+            ids.append(head.id)
+            lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
             admitted.append(req)

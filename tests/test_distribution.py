@@ -113,6 +113,21 @@ def test_a_pool_short_of_full_trees_steps_plainly_before_any_draw(small_vocab):
         assert bool(expansions) == drafted and len(out.token_ids) == 2
 
 
+def test_rows_whose_trees_fit_still_draft_beside_those_that_do_not(small_vocab):
+    """Eagerly a tree costs only its own row: two requests run, the pool holds one tree beside
+    the other's root (2 x 10 cached + 5 + 1 of 29 slots, not 2 x 15), so the first row drafts
+    (its frontiers hold one request) and the second verifies its root."""
+    drafter = build_component(DRAFTERS, {"type": "ngram", "max_window": 1}, vocab_size=V)
+    asked = []  # (rows in the frontier, requests running)
+    tree_nodes = len(SAMPLED_STATIC["choices"]) + 1
+    engine = SpecEngine(load_model(small_vocab[0]), drafter, SAMPLED_STATIC, {"type": "rejection"},
+                        kv_cache_tokens=2 * len(REPEATING) + tree_nodes + 4, max_batch_size=2)
+    expand = drafter.expand
+    drafter.expand = lambda f: asked.append((f.nodes.shape[0], len(engine.scheduler.running))) or expand(f)
+    engine.generate([REPEATING] * 2, SamplingParams(seed=0, **dict(PARAMS, max_tokens=2)))
+    assert asked and set(asked) == {(1, 2)}
+
+
 def test_the_check_detects_a_lossy_verifier(small_vocab):
     target, draft = small_vocab
     model = load_model(target)
