@@ -402,7 +402,8 @@ class SpecEngine:
         finished = [self._finish(req) for req in batch if req.finished]
         if live:
             rows = [b for b, _, _ in live]
-            sub = Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
+            sub = verdict if len(live) == len(batch) else \
+                Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
             self.drafter.commit(sub, self._features(
                 [req for _, req, _ in live],
                 [[out.offsets[b] + i for i in acc] for b, _, acc in live],

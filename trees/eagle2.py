@@ -4,7 +4,7 @@ global rerank of every candidate to N nodes (EAGLE ``topK_genrate``, SGLang
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -62,25 +62,28 @@ class Eagle2Builder:
 
     def build(self, drafter: Drafter, roots: Roots) -> DraftTree:
         b, k = roots.batch_size, self.topk
-        grow = GrowingTree(roots, 1 + k + (self.depth - 1) * k * k)  # every candidate a column
+        capacity = 1 + k + (self.depth - 1) * k * k  # every candidate a column
         # EAGLE heads run the build themselves: the roots, then the levels on their device as
         # one CUDA graph, with no value read back before the tree
         # (a BeamDrafter: checked by attribute, as isinstance on a protocol costs a check per member)
         beam = drafter.beam(roots, k, self.depth - 1) if self.depth > 1 and hasattr(drafter, "beam") else None
         if beam is None:
+            grow = GrowingTree(roots, capacity)
             root = torch.zeros(b, 1, dtype=torch.long, device=roots.tokens.device)
             tokens, logprobs, sampled = grow.expand(drafter, root, k)   # [B, 1, k] the root's children
             self._levels(grow, tokens, logprobs, sampled, lambda frontier, best: grow.expand(drafter, frontier, k))
             return rerank(grow, self.num_draft_tokens, self.depth)
 
-        def build_rest(*state: Tensor) -> tuple[Tensor, ...]:  # the levels, then the rerank
-            tree = grow.over(state[:-2], grow.size)
-            self._levels(tree, *picks(*state[-2:]), lambda frontier, best: picks(*beam.expand(best)))
+        def build_rest(root_tokens: Tensor, root_positions: Tensor, children: Tensor,
+                       children_logprobs: Tensor) -> tuple[Tensor, ...]:  # the tree's columns, the levels, the rerank
+            # the roots over the graph's rows, padding requests' included (the tree reads nothing else of them)
+            tree = GrowingTree(replace(roots, tokens=root_tokens, positions=root_positions), capacity)
+            self._levels(tree, *picks(children, children_logprobs), lambda frontier, best: picks(*beam.expand(best)))
             kept = rerank(tree, self.num_draft_tokens, self.depth)
             return tuple(getattr(kept, name) for name in TREE_FIELDS)
 
         key = ("eagle2", k, self.depth, self.num_draft_tokens)
-        state = (*grow.tensors(), beam.children, beam.children_logprobs)  # (the tree's on the host, moved by run)
+        state = (roots.tokens, roots.positions, beam.children, beam.children_logprobs)  # (the roots', moved by run)
         return DraftTree(**dict(zip(TREE_FIELDS, beam.run(build_rest, state, key))), max_depth=self.depth)
 
     def _levels(self, grow: GrowingTree, tokens: Tensor, logprobs: Tensor, sampled: Tensor,

@@ -7,8 +7,6 @@ deciding which children exist, and the cumulative scores.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor
 
@@ -30,7 +28,7 @@ class GrowingTree:
     """
 
     def __init__(self, roots: Roots, capacity: int, sample: bool = False):
-        b, dev = roots.batch_size, roots.tokens.device
+        b, dev = len(roots.tokens), roots.tokens.device  # (a beam graph's roots: padding requests' rows too)
         cols = capacity + 1  # + the sink
         self.roots, self.capacity, self.size, self.sample = roots, capacity, 1, sample
         self.root_positions = roots.positions.to(dev, torch.long)  # [B]
@@ -54,20 +52,6 @@ class GrowingTree:
                                  "one torch.Generator per request")
             greedy = roots.greedy.tolist() if roots.greedy is not None else [False] * b
             self._sample_rows = [r for r in range(b) if not greedy[r]]
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        """What the tree holds, [B, ...] each: the root positions, then the columns [B, capacity
-        + 1] tokens, parents, depth, logscores, valid, sampled (what ``over`` takes)."""
-        return self.root_positions, self.tokens, self.parents, self.depth, self.logscores, self.valid, self.sampled
-
-    def over(self, tensors: tuple[Tensor, ...], size: int) -> "GrowingTree":
-        """This tree (same roots and capacity) over other ``tensors`` with ``size`` columns handed
-        out, e.g. a CUDA graph's static copies of its own (specflow.runtime.beam)."""
-        assert self.draft_probs is None, "sampled drafting keeps q beside the columns"
-        tree = copy.copy(self)
-        tree.root_positions, tree.tokens, tree.parents, tree.depth, tree.logscores, tree.valid, tree.sampled = tensors
-        tree.size = size
-        return tree
 
     def tree(self, n: int | None = None) -> DraftTree:
         """The first ``n`` columns (default ``size``) as a DraftTree without mask."""

@@ -42,13 +42,15 @@ class ForwardBatch:
         """Lay out a forward whose pages are already reserved (index arithmetic in numpy, which
         is several times cheaper than torch for these small arrays). ``kv_width`` pads the KV
         index to a fixed width (CUDA graphs); the extra columns are masked out."""
-        kv_index = cache.batch_slots(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])
-        if kv_width is not None:
-            kv_index = F.pad(kv_index, (0, kv_width - kv_index.shape[1]))
-        rows = kv_index.numpy()
+        rows = cache.batch_slot_array(request_ids, [p + q for p, q in zip(prefix_lens, qo_lens)])  # [B, max_kv]
+        if kv_width is not None:  # zero padded (np.pad would cost more than the rest of the layout)
+            padded = np.zeros((len(rows), kv_width), dtype=np.int64)                   # [B, kv_width]
+            padded[:, : rows.shape[1]] = rows
+            rows = padded
         slot_mapping = np.concatenate([row[p : p + q] for row, p, q in zip(rows, prefix_lens, qo_lens)])
         return ForwardBatch(list(request_ids), positions, list(prefix_lens), list(qo_lens),
-                            tree_masks or [None] * len(request_ids), torch.from_numpy(slot_mapping), kv_index)
+                            tree_masks or [None] * len(request_ids), torch.from_numpy(slot_mapping),
+                            torch.from_numpy(rows))
 
     def stacked_tree_masks(self, device: torch.device | str) -> Tensor | None:
         """The tree masks as one [B, max_q, max_m] bool tensor, zero padded (None when every
@@ -138,9 +140,11 @@ class TorchBackend:
         self.shape = (b, max_q, max_kv)
         self.unpadded = bool(new.all())                                                # every request has max_q tokens
         trees = batch.stacked_tree_masks(device)                                       # [B, max_q, max_m]
-        host = [batch.kv_index, torch.from_numpy(np.flatnonzero(new)), batch.slot_mapping]  # [B, max_kv], [T], [T]
+        host = [batch.kv_index, batch.slot_mapping]                                    # [B, max_kv], [T]
+        if not self.unpadded:  # the rows of [B * max_q] the new tokens fill (unpadded: all of them, in order)
+            host.append(torch.from_numpy(np.flatnonzero(new)))                         # [T]
         if trees is not None or not mask.all() or graph is not None:  # (every key visible: no mask at all)
-            host.append(torch.from_numpy(mask)[:, None])                                # [B, 1, max_q, max_kv]
+            host.append(torch.from_numpy(mask[:, None]))                                # [B, 1, max_q, max_kv]
         if trees is not None:  # request r's last m_r keys follow its tree mask, over its new rows
             m = np.array([0 if t is None else t.shape[1] for t in batch.tree_masks])   # [B]
             col = j[0] - (p + q)[:, 0] + m[:, None]                                     # [B, max_kv] column in its mask
@@ -149,7 +153,8 @@ class TorchBackend:
             host += [trees, torch.from_numpy(col), torch.from_numpy(inside), torch.from_numpy(new)]
             if window is not None:
                 host.append(torch.from_numpy(window))
-        self.kv_index, self.q_rows, self.slot_mapping, *visible = to_device(host, device)  # one copy
+        self.kv_index, self.slot_mapping, *visible = to_device(host, device)           # one copy
+        self.q_rows = None if self.unpadded else visible.pop(0)
         if trees is not None:  # the tree bits where they lie (a target's trees: on the device)
             visible, trees, col, inside, rows, *windowed = visible
             bits = trees.gather(2, col[:, None, :].expand(b, max_q, max_kv))          # [B, max_q, max_kv]
@@ -157,9 +162,14 @@ class TorchBackend:
             visible = [torch.where(inside[:, None, :] & rows[:, :, None], bits, visible[:, 0])[:, None]]
         self.mask = None
         if visible:  # additive float mask: sdpa's CPU kernels are several times faster with it than with bool
-            self.mask = torch.zeros(visible[0].shape, dtype=self.cache.k.dtype, device=device)
+            static = (graph or {}).get("mask")
+            if static is None:
+                self.mask = torch.zeros(visible[0].shape, dtype=self.cache.k.dtype, device=device)
+            else:  # a graph's own, rewritten in place
+                self.mask = static.zero_()
             self.mask.masked_fill_(~visible[0], float("-inf"))
         if graph is not None:  # a graph replays from the same tensors: write into them in place
+            assert graph.get("unpadded", self.unpadded) == self.unpadded, "a graph pads all its batches alike (q_rows)"
             for name in ("kv_index", "mask", "q_rows", "slot_mapping"):
                 new, static = getattr(self, name), graph.setdefault(name, getattr(self, name))
                 if static is not new:

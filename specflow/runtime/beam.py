@@ -88,7 +88,7 @@ class Beam:
         self.kv0 = np.array([runner.kv_len(r) for r in request_ids], dtype=np.int64)   # [B] prefix, root last
         ends = (self.kv0 + levels * k).tolist()
         cache.reserve(request_ids, ends)
-        table = cache.batch_slots(request_ids, ends).numpy()                               # [B, W] slots
+        table = cache.batch_slot_array(request_ids, ends)                                  # [B, W] slots
         b, width = len(request_ids), int(self.kv0.max())
         col = self.kv0[:, None] + np.arange(levels * k)                                     # [B, L * k]
         self.branch_np = np.take_along_axis(table, col, 1).reshape(b, levels, k)           # [B, L, k] slot of (level, branch)
@@ -129,7 +129,7 @@ class Beam:
             g = graphs.beams[gkey] = self._new_graph(s, state)
         for batch, planned in zip(batches, g.attn):
             attn.plan(batch, graph=planned)
-        pad = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])                  # the padding slot
+        pad = int(self.runner.cache.batch_slot_array([PAD_REQUEST], [1])[0, 0])             # the padding slot
         # this build's inputs, moved in one copy, and their static tensors (padding: fill)
         inputs = to_device([*state, self.branch, self.positions, self.children], device)
         statics = [*g.state, g.branch, g.positions, g.children]
@@ -139,8 +139,10 @@ class Beam:
 
         def load() -> None:  # this build's inputs into the static tensors (rows past them: padding)
             for static, x, fill in zip(statics, inputs, fills):
-                static[: len(x)].copy_(x)
-                if len(x) < len(static):
+                if len(x) == len(static):  # no padding rows (a captured size): no slices either
+                    static.copy_(x)
+                else:
+                    static[: len(x)].copy_(x)
                     static[len(x):].fill_(fill)
 
         def body() -> tuple[Tensor, ...]:  # every pass starts at the first level, over the static tensors
@@ -150,7 +152,8 @@ class Beam:
         load()
         self.rows, self.branch, self.positions, self.planned = s, g.branch, g.positions, g.attn
         self._replay(g, body, load, graphs.pool if graphs.capture else None)
-        return tuple(out[:b].clone() for out in g.outputs)  # (the next replay overwrites them: copies)
+        # (the next replay overwrites them: copies)
+        return tuple((out if b == s else out[:b]).clone() for out in g.outputs)
 
     def _replay(self, g: _BeamGraph, body: Callable[[], tuple[Tensor, ...]], load: Callable[[], None], pool) -> None:
         """Replay ``g`` for this build. The first run records ``body`` (the levels over g's
@@ -231,7 +234,7 @@ class Beam:
         positions = np.repeat(self.kv0 - 1 + d, k)                              # the root's position + d
         pad = (s - b) * k
         if pad:
-            slot = int(self.runner.cache.batch_slots([PAD_REQUEST], [1])[0, 0])
+            slot = int(self.runner.cache.batch_slot_array([PAD_REQUEST], [1])[0, 0])
             kv[b:, :, 0] = slot
             slots = np.concatenate([slots, np.full(pad, slot)])
             prefix_lens = np.concatenate([prefix_lens, np.zeros(pad, dtype=np.int64)])

@@ -157,7 +157,7 @@ class _DraftState:
     pending: list[int] = field(default_factory=list)
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
-    last_feature: Tensor | None = None                             # [F] target feature of the token before the root
+    last_feature: Tensor | None = None                             # [1, F] target feature of the token before the root
 
 
 @dataclass
@@ -211,10 +211,10 @@ class TreeDraftRunner:
         if st.last_feature is None:  # the request's first token has no entry
             tokens = tokens[1:]
         else:
-            before = torch.cat([st.last_feature[None], before])
+            before = torch.cat([st.last_feature, before])
         st.pending.extend(tokens)
         st.pending_features.append(before)
-        st.last_feature = features[-1]
+        st.last_feature = features[-1:]
 
     def plan(self, frontier: Frontier) -> DraftBatch:
         """Decide which tokens each request feeds for this expansion.
@@ -247,9 +247,10 @@ class TreeDraftRunner:
         # a new build when every fed request starts a tree and no other is inside one
         batch = DraftBatch(new_build=not len(inner) and not scratch.size.any())
         if len(roots):  # new trees: pending committed tokens, then the root, causal
+            root_positions = frontier.roots.positions.tolist()                           # [B], one read
             for i in roots:
                 st, b = states[i], bs[i]
-                assert st.committed + len(st.pending) == int(frontier.roots.positions[b]) - self.shift, \
+                assert st.committed + len(st.pending) == root_positions[b] - self.shift, \
                     "drafter lost track of the sequence"
                 batch.request_ids.append(rids[i])
                 batch.tokens.append(st.pending + [int(tokens_all[b, 0])])
@@ -257,7 +258,7 @@ class TreeDraftRunner:
                 batch.tree_masks.append(None)
                 if self.features:
                     assert st.last_feature is not None, "begin() gave no target features for this request"
-                    batch.features.extend([*st.pending_features, st.last_feature[None]])
+                    batch.features.extend([*st.pending_features, st.last_feature])
                     st.pending_features = []
                 st.committed += len(st.pending)
                 st.pending = []
@@ -297,7 +298,7 @@ class TreeDraftRunner:
         fed = self._feed(frontier, compute_logits, vocab_size, to_target)
         if fed is None:
             return Expansion(tokens, lps, probs)
-        bi, fi, logprobs, top = fed
+        bi, fi, _, logprobs, top = fed
         bi, fi, top = torch.from_numpy(bi), torch.from_numpy(fi), top.cpu()             # [R, 2k]: one copy
         lps[bi, fi], tokens[bi, fi] = top[:, :k], top[:, k:].long()
         if probs is not None:
@@ -307,10 +308,10 @@ class TreeDraftRunner:
         return Expansion(tokens, lps, probs)
 
     def _feed(self, frontier: Frontier, compute_logits: Callable[[Tensor], Tensor], vocab_size: int,
-              to_target: Callable[[Tensor], Tensor]) -> tuple[np.ndarray, np.ndarray, Tensor, Tensor] | None:
+              to_target: Callable[[Tensor], Tensor]) -> tuple[np.ndarray, np.ndarray, Tensor, Tensor, Tensor] | None:
         """Feed the frontier (one forward): the fed nodes' (b, f) [R] on the host, and on the
-        model's device their log-probs [R, V_draft] and ``top_children`` [R, 2k]; None when no
-        request feeds a node. Nothing waits for the device."""
+        model's device their outputs [R, H], log-probs [R, V_draft] and ``top_children`` [R, 2k];
+        None when no request feeds a node. Nothing waits for the device."""
         batch = self.plan(frontier)
         if not batch.request_ids:
             return None
@@ -322,7 +323,7 @@ class TreeDraftRunner:
         if self.features:
             self._keep_outputs(batch, hidden)
         logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
-        return bi, fi, logprobs, top_children(logprobs, frontier.k, to_target, vocab_size)
+        return bi, fi, hidden, logprobs, top_children(logprobs, frontier.k, to_target, vocab_size)
 
     def beam(self, roots: Roots, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
              vocab_size: int, to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:
@@ -337,13 +338,9 @@ class TreeDraftRunner:
         b = roots.batch_size
         to_target = to_target or (lambda ids: ids)
         frontier = Frontier(roots, DraftTree.root_only(roots), torch.zeros(b, 1, dtype=torch.long), k, False)
-        bi, _, _, top = self._feed(frontier, compute_logits, vocab_size, to_target)     # [B, 2k]
+        bi, _, hidden, _, top = self._feed(frontier, compute_logits, vocab_size, to_target)  # [B, H], [B, 2k]
         assert np.array_equal(bi, np.arange(b)), "every root is fed, in batch order"
-        root_hidden = None
-        if self.features:  # level 1 reads the roots' outputs
-            slots = np.array([self.states[r].slot for r in roots.request_ids], dtype=np.int64)
-            rows, = to_device([torch.from_numpy(self.scratch.out_row[slots, 0])], self.outputs.device)
-            root_hidden = self.outputs.index_select(0, rows)
+        root_hidden = hidden if self.features else None  # level 1 reads the roots' outputs [B, H]
         return Beam(self.runner, list(roots.request_ids), root_hidden, top[:, k:].long().view(b, 1, k),
                     top[:, :k].view(b, 1, k), k, levels, compute_logits, to_target)
 
@@ -391,7 +388,7 @@ class TreeDraftRunner:
                 f = features[i]
                 assert len(f) == len(toks), "one target feature per token"
                 if keep:  # the root's entry stays; the next token reads the root's target feature
-                    st.last_feature = f[0]
+                    st.last_feature = f[:1]
                 self.add_pending(rid, toks[len(keep):], f[len(keep):])
             else:
                 self.add_pending(rid, toks[len(keep):])

@@ -123,17 +123,21 @@ class PagedKVCache:
     def batch_slots(self, request_ids: list[int], kv_lens: list[int], start: int = 0) -> Tensor:
         """[B, max(kv_lens) - start] slot ids of logical indices start..kv_len-1 per request
         (0 past the end), from array copies of the block tables."""
+        return torch.from_numpy(self.batch_slot_array(request_ids, kv_lens, start))
+
+    def batch_slot_array(self, request_ids: list[int], kv_lens: list[int], start: int = 0) -> np.ndarray:
+        """``batch_slots`` as a numpy array, for host layouts (no torch op, nor a ``.numpy()``)."""
         ps = self.page_size
         pages = [self.pages_needed(n) for n in kv_lens]
         table = np.zeros((len(request_ids), max(pages)), dtype=np.int64)                  # [B, pages]
         for row, r, n in zip(table, request_ids, pages):
             row[:n] = self.block_tables[r].pages[:n]
         if ps == 1:  # a slot is its page: rows are zero past kv_len already
-            return torch.from_numpy(np.ascontiguousarray(table[:, start:]))
+            return np.ascontiguousarray(table[:, start:])
         idx = np.arange(start, max(kv_lens))
         slots = table[:, idx // ps] * ps + idx % ps                                       # [B, max_kv]
         slots[idx[None] >= np.array(kv_lens)[:, None]] = 0
-        return torch.from_numpy(np.ascontiguousarray(slots))  # column indexing may leave it Fortran-ordered
+        return np.ascontiguousarray(slots)  # column indexing may leave it Fortran-ordered
 
     def commit(self, request_ids: list[int], bases: list[int], keeps: list[list[int]]) -> None:
         """For each request, keep the tokens at logical indices ``base + keep[j]`` as ``base + j``
@@ -145,7 +149,7 @@ class PagedKVCache:
             assert all(a < b for a, b in zip(keep, keep[1:])), "keep must be increasing"
             moved = [j for j, o in enumerate(keep) if o != j]
             if moved:  # keep[j] >= j: the slots up to keep[-1] cover sources and destinations
-                slots = self.slots(r, base, base + keep[-1] + 1).numpy()
+                slots = self.batch_slot_array([r], [base + keep[-1] + 1], base)[0]
                 src.append(slots[[keep[j] for j in moved]])
                 dst.append(slots[moved])
         if src:

@@ -46,7 +46,7 @@ def to_device(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
         device = torch.device("cuda", torch.cuda.current_device())
     moving = [t for t in tensors if t.device != device]
     if device.type != "cuda" or not moving:
-        return [t.to(device) for t in tensors]
+        return [t if t.device == device else t.to(device) for t in tensors]
     assert all(t.device.type == "cpu" for t in moving), "to_device moves host tensors"
     staged = pack(moving, out=torch.empty(sum(t.nbytes for t in moving), dtype=torch.uint8, pin_memory=True))
     moved = iter(unpack(staged.to(device, non_blocking=True), moving))

@@ -74,3 +74,17 @@ def test_allocator_double_free_is_caught():
     alloc.free(pages)
     with pytest.raises(AssertionError):
         alloc.free([*pages, *pages])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_batch_slot_array_is_batch_slots_as_numpy(page_size):
+    """Slots of logical indices start..kv_len-1 per request, 0 past each request's end."""
+    cache = PagedKVCache(1, 1, 2, 32, page_size)
+    cache.reserve([0, 1, 2], [9, 3, 14])
+    for start in (0, 2):
+        array = cache.batch_slot_array([0, 1, 2], [9, 3, 14], start)
+        assert array.shape == (3, 14 - start) and array.flags.c_contiguous
+        assert torch.equal(torch.from_numpy(array), cache.batch_slots([0, 1, 2], [9, 3, 14], start))
+        for row, (r, n) in zip(array, [(0, 9), (1, 3), (2, 14)]):
+            assert row[: n - start].tolist() == cache.slots(r, start, n).tolist()
+            assert not row[n - start :].any()
