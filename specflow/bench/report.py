@@ -33,7 +33,8 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
     commit = (results["git_commit"] or "not a git checkout")[:12]
     lines = [f"# {results['name']}", "",
              f"target `{results['target']}` on {results['device']} ({results['dtype']}), "
-             f"batch size {results['batch_size']}, {results['num_prompts']} prompts, temperature "
+             f"batch size {results['batch_size']}, {results['num_prompts']} prompts, "
+             f"{'best of ' + str(results['repeats']) + ' runs, ' if results['repeats'] > 1 else ''}temperature "
              f"{results['sampling']['temperature']}, max_tokens {results['sampling']['max_tokens']}; torch "
              f"{results['torch_version']}, specflow {commit}. Speedup is against the autoregressive baseline "
              f"measured in the same run. Lossless: the verifier keeps the target's distribution at any "

@@ -133,6 +133,35 @@ def test_warmup_never_shows_a_drafter_a_suite_prompt(tmp_path, tiny_target):
     assert accept[1] == accept[0]
 
 
+def test_repeats_time_fresh_engines_and_keep_each_batch_fastest_run(tmp_path, tiny_target, monkeypatch):
+    """Every run has its own engine (a drafter that learns across requests, which would speed
+    up later runs, starts over); every pipeline records each run's seconds, and tokens/s takes
+    each batch's fastest run."""
+    import specflow.bench.experiment as experiment
+
+    engines = []
+
+    class Counted(experiment.SpecEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(experiment, "SpecEngine", Counted)
+    path = write_config(tmp_path, tiny_target, """
+  - name: global
+    drafter: {type: ngram, scope: global, max_window: 4}
+    tree: {type: chain, depth: 5}
+    verifier: {type: greedy}""")
+    assert main(["run", str(path), "repeats=3", "prompts.categories=[code]", "sampling.max_tokens=16"]) == 0
+    assert len(engines) == 2 * 3 and len(set(map(id, engines))) == 6   # baseline and pipeline, 3 runs each
+    results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())
+    for s in results["pipelines"].values():
+        assert len(s["run_seconds"]) == 3
+        # each batch's fastest run: at most the fastest whole run
+        assert s["tokens"] / s["tokens_per_s"] <= min(s["run_seconds"]) * (1 + 1e-9)
+    assert "best of 3 runs" in (tmp_path / "runs" / "tiny" / "results.md").read_text()
+
+
 def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
     other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """

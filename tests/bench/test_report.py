@@ -13,7 +13,7 @@ def test_report_flags_noise_and_untimed_categories_and_lists_failures_apart(tmp_
             "lossless": True, "matches_baseline": 1.0, "latency_s": LATENCY,
             "categories": {"code": {"accept_length": 2.0, "tokens_per_s": 150.0, "speedup": 1.5},
                            "chat": {"accept_length": 1.5}}}
-    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 2, "num_prompts": 2,
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 2, "num_prompts": 2, "repeats": 1,
                "sampling": {"temperature": 0.0, "max_tokens": 10}, "torch_version": "2.5", "git_commit": None,
                "pipelines": {"baseline": baseline, "fast": fast, "broken": {"error": "ValueError: bad draft"}}}
     assert best_pipeline(results) == "fast"                       # the failed point is not ranked
