@@ -136,6 +136,11 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
     return rows
 
 
+def batch_seconds(rows: list[dict]) -> float:
+    """The wall time of the distinct batches of ``rows`` (every row holds its batch's time)."""
+    return sum({r["batch"]: r["seconds"] for r in rows}.values())
+
+
 def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True) -> dict:
     """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category;
     for ``greedy`` runs also the share of prompts whose tokens match the baseline's (sampled runs
@@ -145,18 +150,15 @@ def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True
     also hold other categories' prompts cannot be timed apart from them: it gets its accept
     length but no tokens/s or speedup."""
 
-    def seconds(sel: list[dict]) -> float:
-        return sum({r["batch"]: r["seconds"] for r in sel}.values())  # every row holds its batch's time
-
     def stats(sel: list[dict], base: list[dict] | None, timed: bool) -> dict:
         tokens = sum(r["tokens"] for r in sel)
         steps = sum(r["steps"] for r in sel)
         out = {"prompts": len(sel), "tokens": tokens,
                "accept_length": sum(r["step_tokens"] for r in sel) / max(1, steps)}
         if timed:
-            out["tokens_per_s"] = tokens / max(seconds(sel), 1e-9)
+            out["tokens_per_s"] = tokens / max(batch_seconds(sel), 1e-9)
             if base is not None:
-                out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(seconds(base), 1e-9))
+                out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(batch_seconds(base), 1e-9))
         if base is not None and greedy:
             out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
         return out
@@ -250,7 +252,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         rows = runs[0]
         for i, row in enumerate(rows):  # (a batch's rows share its time)
             row["seconds"] = min(run[i]["seconds"] for run in runs)
-        return engine, rows, [sum({r["batch"]: r["seconds"] for r in run}.values()) for run in runs]
+        return engine, rows, [batch_seconds(run) for run in runs]
 
     all_rows = {}
 

@@ -96,7 +96,10 @@ def read_rows(metrics_csv: Path) -> list[dict]:
     """The rows of a Lightning CSV log ([] when there is none)."""
     import csv
 
-    return list(csv.DictReader(metrics_csv.open())) if metrics_csv.exists() else []
+    if not metrics_csv.exists():
+        return []
+    with metrics_csv.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def join_curves(earlier: list[dict], metrics_csv: Path) -> None:
