@@ -47,8 +47,11 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from specflow.bench.sweep import run_sweep
 
     _set_threads(args.threads)
-    if failed := failed_pipelines(run_sweep(args.config, args.grid, args.overrides)):
-        raise SystemExit(f"specflow sweep: error: {failed}")
+    failed = [f"{'at ' + point + ': ' if point else ''}{failed}"
+              for point, results in run_sweep(args.config, args.grid, args.overrides).items()
+              if (failed := failed_pipelines(results))]
+    if failed:
+        raise SystemExit(f"specflow sweep: error: {'; '.join(failed)}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("sweep", help="grid over pipeline parameters; saves and prints the best point")
+    p = sub.add_parser("sweep", help="grid over pipeline parameters (and batch size, sampling, engine); "
+                                     "saves and prints the best point")
     p.add_argument("config")
     p.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -1,25 +1,32 @@
-"""``specflow sweep``: a grid over pipeline parameters (like SGLang's bench_speculative)."""
+"""``specflow sweep``: a grid over pipeline parameters (like SGLang's bench_speculative), and over
+the run's own settings (batch size, sampling, engine), each of those points with its own baseline."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import itertools
+import json
 from pathlib import Path
 
 from specflow.bench.experiment import PipelineConfig, execute, load_experiment
 from specflow.config import ConfigError
 from specflow.pipeline import Pipeline
 
+SECTIONS = ("drafter", "tree", "verifier", "sampling", "engine")  # a grid key is one of these's keys,
+RUN_KEYS = ("batch_size", "sampling", "engine")                   # or batch_size; a point of these
+                                                                  # runs its own baseline
+
 
 def parse_grid(grid: list[str]) -> dict[str, list]:
-    """``["tree.topk=2,4", "tree.depth=3,5"]`` -> ``{"tree.topk": [2, 4], "tree.depth": [3, 5]}``."""
+    """``["tree.topk=2,4", "batch_size=1,4"]`` -> ``{"tree.topk": [2, 4], "batch_size": [1, 4]}``."""
     axes = {}
     for item in grid:
         key, _, values = item.partition("=")
         section, _, param = key.partition(".")
-        if not values or not param or section not in ("drafter", "tree", "verifier"):
-            raise ConfigError(f"--grid '{item}' must look like tree.topk=2,4 (drafter., tree. or verifier. keys)")
+        if not values or not (key == "batch_size" or section in SECTIONS and param):
+            raise ConfigError(f"--grid '{item}' must look like tree.topk=2,4 (drafter., tree., verifier., "
+                              f"sampling. or engine. keys, or batch_size)")
         if key in axes:
             raise ConfigError(f"--grid {key} is given twice; list its values once: {key}=v1,v2,...")
         axes[key] = [_number(v) for v in values.split(",")]
@@ -35,6 +42,11 @@ def _number(v: str):
         except ValueError:
             pass
     return v
+
+
+def point_name(keys, values) -> str:
+    """A grid point's name: ``tree.topk=4``, ``batch_size=8`` -> ``topk=4,batch_size=8``."""
+    return ",".join(f"{k.split('.', 1)[-1]}={v}" for k, v in zip(keys, values))
 
 
 def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[PipelineConfig]:
@@ -54,22 +66,70 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
             if not isinstance(node, dict):
                 raise ConfigError(f"--grid {key}: the pipeline has no {'.'.join([section, *path])} node")
             node[param] = value
-        p.name = ",".join(f"{k.split('.', 1)[1]}={v}" for k, v in zip(axes, values))
+        p.name = point_name(axes, values)
         Pipeline.check(p.drafter, p.tree, p.verifier, f"--grid point {p.name}: ")
         out.append(p)
     return out
 
 
-def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = None) -> dict:
+def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = None) -> dict[str, dict]:
     """Sweep the first pipeline of an experiment over ``grid``; the fastest point that finished is
-    ``best`` in results.json and results.md, and printed."""
-    cfg, pipelines = load_experiment(path, overrides)
-    if not pipelines:
-        raise ConfigError("sweep: the experiment has no pipelines to sweep")
-    points = grid_pipelines(pipelines[0], parse_grid(grid))  # every point checked before anything loads
-    cfg = dataclasses.replace(cfg, name=f"{cfg.name}-sweep")
-    results = execute(cfg, points, rank=True)
-    if (best := results["best"]) is not None:
-        stats = results["pipelines"][best]
-        print(f"best: {best}  (speedup {stats['speedup']:.2f}x, accept length {stats['accept_length']:.2f})")
+    ``best`` in results.json and results.md, and printed.
+
+    Keys of the run itself (``batch_size``, ``sampling.*``, ``engine.*``) make an outer grid: each
+    of its points runs its own baseline and the pipeline points into runs/<name>-sweep/<point>/,
+    and sweep.json / sweep.md in runs/<name>-sweep/ set the points side by side. Returns each run
+    point's results by its name ('' without run keys). Every point is checked before the target loads."""
+    axes = parse_grid(grid)
+    if not axes:
+        raise ConfigError("sweep: give at least one --grid key=v1,v2,...")
+    run_axes = {k: v for k, v in axes.items() if k.partition(".")[0] in RUN_KEYS}
+    pipe_axes = {k: v for k, v in axes.items() if k not in run_axes}
+    plan = {}
+    for values in itertools.product(*run_axes.values()):
+        name = point_name(run_axes, values)
+        try:
+            cfg, pipelines = load_experiment(path, [*(overrides or []), *(f"{k}={v}" for k, v in zip(run_axes, values))])
+        except ConfigError as e:
+            raise ConfigError(f"--grid point {name}: {e}") from None
+        if not pipelines:
+            raise ConfigError("sweep: the experiment has no pipelines to sweep")
+        points = grid_pipelines(pipelines[0], pipe_axes) if pipe_axes else pipelines[:1]
+        sweep_dir = f"{cfg.name}-sweep"
+        if run_axes:  # (a value may be a path: keep the point one directory)
+            cfg = dataclasses.replace(cfg, name=name.replace("/", "_"), output_dir=str(Path(cfg.output_dir) / sweep_dir))
+        else:
+            cfg = dataclasses.replace(cfg, name=sweep_dir)
+        plan[name] = (cfg, points, dict(zip(run_axes, values)))
+    results = {}
+    for name, (cfg, points, _) in plan.items():
+        results[name] = execute(cfg, points, rank=True)
+        if (best := results[name]["best"]) is not None:
+            stats = results[name]["pipelines"][best]
+            print(f"best{' at ' + name if name else ''}: {best}  (speedup {stats['speedup']:.2f}x, "
+                  f"accept length {stats['accept_length']:.2f})")
+        if run_axes:
+            write_summary(results, {name: setting for name, (_, _, setting) in plan.items()}, Path(cfg.output_dir))
     return results
+
+
+def write_summary(results: dict[str, dict], settings: dict[str, dict], out_dir: Path) -> None:
+    """sweep.json (each run point's settings and results) and sweep.md: one row per run point and
+    pipeline point, each speedup against its own run point's baseline, the best point of each marked."""
+    points = {name: {"settings": settings[name], "results": res} for name, res in results.items()}
+    (out_dir / "sweep.json").write_text(json.dumps({"points": points}, indent=2, default=str))
+    keys = list(next(iter(settings.values())))
+    lines = [f"# {out_dir.name}", "", "Each run point has its own baseline, in its own directory (results.md "
+             "there has the categories); `*` marks the run point's best pipeline.", "",
+             "| " + " | ".join(keys) + " | pipeline | accept length | tokens/s | speedup | baseline tokens/s |",
+             "|---" * (len(keys) + 5) + "|"]
+    for name, res in results.items():
+        base = res["pipelines"]["baseline"]["tokens_per_s"]
+        for pipe, s in res["pipelines"].items():
+            if pipe == "baseline":
+                continue
+            cells = ([pipe, "failed", "", "", ""] if "error" in s else
+                     [pipe + (" *" if pipe == res["best"] else ""), f"{s['accept_length']:.2f}",
+                      f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{base:.1f}"])
+            lines.append("| " + " | ".join([*map(str, settings[name].values()), *cells]) + " |")
+    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")

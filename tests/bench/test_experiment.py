@@ -183,6 +183,34 @@ def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
     assert f"## Best\n\n`{best}`: speedup" in (out / "results.md").read_text()
 
 
+def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_path, tiny_target, capsys):
+    path = write_config(tmp_path, tiny_target, """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: rejection}""")
+    main(["sweep", str(path), "--grid", "batch_size=1,2", "--grid", "sampling.temperature=0,0.8",
+          "--grid", "tree.depth=1,3"])
+    printed = capsys.readouterr().out
+    out = tmp_path / "runs" / "tiny-sweep"
+    names = ["batch_size=1,temperature=0", "batch_size=1,temperature=0.8",
+             "batch_size=2,temperature=0", "batch_size=2,temperature=0.8"]
+    points = json.loads((out / "sweep.json").read_text())["points"]
+    assert list(points) == names
+    for name, point in points.items():
+        results = json.loads((out / name / "results.json").read_text())
+        assert point["results"] == results and results["best"] in ("depth=1", "depth=3")
+        assert point["settings"] == {"batch_size": results["batch_size"],
+                                     "sampling.temperature": results["sampling"]["temperature"]}
+        assert sorted(results["pipelines"]) == ["baseline", "depth=1", "depth=3"]
+        rows = read_jsonl(out / name / "rows.jsonl")
+        assert {r["batch"] for r in rows} == ({0, 1} if results["batch_size"] == 1 else {0})
+        assert f"best at {name}: {results['best']}  (speedup" in printed
+    table = (out / "sweep.md").read_text().splitlines()
+    assert sum(line.startswith("| 2 | 0.8 | depth=") for line in table) == 2
+    assert sum(" * |" in line for line in table) == 4  # one best per run point
+
+
 def test_parse_grid_refuses_a_point_given_twice():
     assert parse_grid(["tree.depth=3,5", "drafter.max_window=2"]) == {"tree.depth": [3, 5], "drafter.max_window": [2]}
     with pytest.raises(ConfigError, match="--grid tree.depth: a value is repeated in '3,3.0'"):
@@ -205,6 +233,9 @@ def test_grid_keys_reach_nested_nodes():
 
 @pytest.mark.parametrize("grid,message", [
     ("tree=2,3", "--grid 'tree=2,3' must look like tree.topk=2,4"),
+    ("prompts.per_category=1,2", "--grid 'prompts.per_category=1,2' must look like tree.topk=2,4"),
+    ("batch_size=0,1", "--grid point batch_size=0: batch_size and repeats must be >= 1"),
+    ("sampling.top_p=1,2", "--grid point top_p=2: sampling: .*top_p"),
     ("tree.depth=3,3", "--grid tree.depth: a value is repeated in '3,3'"),
     ("tree.depth=2,0", "--grid point depth=0: tree: .*depth must be >= 1"),
     ("verifier.type=greedy,exact", "--grid point type=exact: verifier.type: unknown verifier type 'exact'")])
