@@ -375,8 +375,11 @@ class SpecEngine:
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
-    def _sampling(self, batch: list[Request]) -> SamplingBatch:
-        return SamplingBatch.from_params([r.params for r in batch], [r.generator for r in batch])
+    def _sampling(self, batch: list[Request], ahead: list[bool] | None = None) -> SamplingBatch:
+        """The batch's sampling, each row drawing the token after its sequence (and after its
+        token in flight, where ``ahead``)."""
+        positions = [r.seq_len + a for r, a in zip(batch, ahead or [0] * len(batch))]
+        return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
@@ -528,7 +531,7 @@ class SpecEngine:
             where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.device)
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
-        tokens = next_tokens(out.logits, self._sampling(batch))                       # [B]
+        tokens = next_tokens(out.logits, self._sampling(batch, [i >= 0 for i in rows]))  # [B]
         top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
         logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
         return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers.decoders import DecodeStream
 
-from specflow.sampling import SamplingParams, TokenLogprob, make_generator
+from specflow.sampling import SamplingParams, TokenLogprob, make_generator, request_seed
 from specflow.tree import StepRecord
 
 
@@ -85,7 +85,8 @@ class Request:
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.generator: torch.Generator = make_generator(params.seed)
+        self.seed = request_seed(params.seed)  # keys the target's draws (SamplingBatch)
+        self.generator: torch.Generator = make_generator(self.seed)  # the drafter's sampled drafts
         self.output_ids: list[int] = []
         self.seq: list[int] = list(prompt_ids)  # prompt + generated ids, kept in step with output_ids
         self.accept_lengths: list[int] = []

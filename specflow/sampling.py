@@ -84,16 +84,18 @@ class TokenLogprob:
 
 @dataclass
 class SamplingBatch:
-    """Per-request sampling parameters of a batch as tensors, plus one generator per request."""
+    """Per-request sampling parameters of a batch as tensors, with each request's seed and the
+    sequence position of the token it draws next: the keys of its counter-based uniforms."""
 
     temperature: Tensor   # [B] float
     top_k: Tensor         # [B] long, -1 = off
     top_p: Tensor         # [B] float
     min_p: Tensor         # [B] float
-    generators: list[torch.Generator]
+    seeds: np.ndarray     # [B] uint64
+    positions: np.ndarray  # [B] int64: the index in its sequence of the token each row draws next
 
     @staticmethod
-    def from_params(params: list[SamplingParams], generators: list[torch.Generator]) -> "SamplingBatch":
+    def from_params(params: list[SamplingParams], seeds: list[int], positions: list[int] | None = None) -> "SamplingBatch":
         floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32).reshape(-1, 3)
         floats[:, 1] = np.maximum(floats[:, 1], np.finfo(np.float32).tiny)  # a top_p rounding to 0 keeps the top token
         floats = torch.from_numpy(floats)                                                 # [B, 3]
@@ -102,7 +104,8 @@ class SamplingBatch:
             top_k=torch.from_numpy(np.array([p.top_k for p in params], dtype=np.int64)),
             top_p=floats[:, 1],
             min_p=floats[:, 2],
-            generators=generators,
+            seeds=np.array([s % 2**64 for s in seeds], dtype=np.uint64),
+            positions=np.zeros(len(params), dtype=np.int64) if positions is None else np.array(positions, dtype=np.int64),
         )
 
     @property
@@ -111,13 +114,55 @@ class SamplingBatch:
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                             self.min_p[rows], [self.generators[r] for r in rows])
+                             self.min_p[rows], self.seeds[rows], self.positions[rows])
+
+    def draws(self, depth: int, device: torch.device) -> Tensor:
+        """[B, depth + 1] float64: row b's uniform for the target's own draw of the token at
+        position ``positions[b] + d``. Keyed by the position alone, so a token is drawn with
+        the same uniform by plain decoding and by any tree walk that draws it from the target
+        (``walk.exact_match``): with the same seed, their outputs agree token for token."""
+        offsets = np.arange(depth + 1)
+        return to_device([counter_uniforms(self.seeds[:, None], self.positions[:, None] + offsets, 0)], device)[0]
+
+    def coins(self, n: int, device: torch.device) -> Tensor:
+        """[B, n] float64: this step's coin for tree node i, keyed by the root's position and i,
+        so no draw and no other step's coin shares it (every node a verifier tests lies at a
+        position the step commits)."""
+        streams = 1 + np.arange(n, dtype=np.uint64)
+        return to_device([counter_uniforms(self.seeds[:, None], self.positions[:, None], streams)], device)[0]
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request (seeded, or from fresh entropy when ``seed`` is None)."""
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose output bits all depend on every input bit."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_uniforms(seeds: np.ndarray, positions: np.ndarray, streams: np.ndarray | int) -> Tensor:
+    """Float64 U[0, 1) uniforms as a hash of (seed, position, stream), broadcast together (uint64
+    seeds, positions below 2**40, streams below 2**24), as a CPU tensor: counter-based like
+    JAX's and Philox's keys, so a draw depends on what it is for, not on how many came before.
+    The top 53 bits of the mixed key make the float."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64 by design
+        counter = (positions.astype(np.uint64) << np.uint64(24)) | np.asarray(streams, dtype=np.uint64)
+        start = _mix64((seeds + np.uint64(1)) * _GOLDEN)  # splitmix64's output number seed + 1: the
+        z = _mix64(start + counter * _GOLDEN)               # start of a splitmix64 stream, at counter
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def request_seed(seed: int | None) -> int:
+    """A request's seed: its own, or a fresh one from the system's entropy when ``seed`` is None."""
+    return seed if seed is not None else random.SystemRandom().randrange(2**63)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator for one request's drafts (sampled drafting draws from it)."""
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
+    g.manual_seed(seed % 2**64)
     return g
 
 
@@ -197,21 +242,14 @@ def _at_total(cdf: Tensor) -> Tensor:
     return torch.searchsorted(cdf, cdf[:, -1:].contiguous())
 
 
-def uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> Tensor:
-    """[B, n] float64 U[0, 1) draws, row b from request b's generator, on ``device`` (one copy,
-    no wait)."""
-    u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])  # [B, n]
-    return to_device([u], device)[0]
-
-
-def next_tokens(logits: Tensor, sampling: SamplingBatch) -> Tensor:
+def next_tokens(logits: Tensor, sampling: SamplingBatch, u: Tensor | None = None) -> Tensor:
     """One token per row of [B, V] target logits, [B] int64 on their device: the argmax for
-    greedy rows, else a draw from the processed distribution with the row's generator. Nothing
-    is read back: the host does not wait."""
+    greedy rows, else a draw from the processed distribution with uniform ``u`` [B] (default:
+    the row's draw for ``sampling.positions``). Nothing is read back: the host does not wait."""
     if bool(sampling.greedy.all()):
         return logits.argmax(-1)
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
-    return sample_rows(probs, uniforms(sampling.generators, 1, probs.device)[:, 0])
+    return sample_rows(probs, sampling.draws(0, probs.device)[:, 0] if u is None else u)
 
 
 def logprob_rows(logits: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:

@@ -32,7 +32,7 @@ def exact_joint(model, prompt: list[int] = PROMPT) -> torch.Tensor:
     """[V ** 3] probability p(a) p(b | a) p(c | a, b) of every 3-token continuation of ``prompt``
     under the processed target distribution."""
     runner = ModelRunner(model, num_pages=4096)
-    sampling = SamplingBatch.from_params([SamplingParams(**PARAMS)], [torch.Generator()])
+    sampling = SamplingBatch.from_params([SamplingParams(**PARAMS)], [0])
     joint = torch.zeros(V, V, V, dtype=torch.float64)
     for a, b in itertools.product(range(V), repeat=2):
         logits = runner.extend([0], [prompt + [a, b]]).logits  # [len, V]

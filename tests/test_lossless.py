@@ -1,5 +1,6 @@
 """Every drafter x tree x verifier combination that claims losslessness, through the engine:
-at temperature 0 the output equals plain greedy decoding token for token."""
+at temperature 0 the output equals plain greedy decoding token for token, and so does a seeded
+sampled output where the verifier follows the target's own draws (exact match)."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -61,6 +62,29 @@ def test_greedy_equals_plain_decoding(model, tiny_target, tiny_draft, baseline, 
     if drafter == "self_draft":  # the target drafting itself is always right
         assert all(max(o.accept_lengths) > 1 for o in outs)
     assert engine.runner.cache.num_pages_used == 0
+
+
+SAMPLED = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True, seed=i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def sampled_baseline(model):
+    return [o.token_ids for o in SpecEngine(model, kv_cache_tokens=2048).generate(PROMPTS, SAMPLED)]
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "rejection"])  # rejection: top-k drafts, so exact match
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "self_draft", "fallback"])
+def test_seeded_sampling_equals_plain_decoding_with_exact_match(model, tiny_target, tiny_draft, sampled_baseline,
+                                                                drafter, tree, verifier):
+    """Exact match draws each token with the uniform of its position (SamplingBatch.draws), as
+    plain decoding does: the same seed gives the same tokens, whatever the drafts."""
+    engine = SpecEngine(model, drafters(tiny_target, tiny_draft)[drafter], TREES[tree], VERIFIERS[verifier],
+                        kv_cache_tokens=2048)
+    outs = engine.generate(PROMPTS, SAMPLED)
+    assert [o.token_ids for o in outs] == sampled_baseline
+    if drafter == "self_draft":  # (the drafts are the target's top-k: some match its draws)
+        assert all(max(o.accept_lengths) > 1 for o in outs)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

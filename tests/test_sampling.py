@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator, next_tokens, sample_rows, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, counter_uniforms, next_tokens, sample_rows, target_probs
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -38,19 +38,19 @@ def test_top_k_keeps_ties_whatever_the_batch():
     top3 = SamplingParams(temperature=1.0, top_k=3)
     for others in ([], [SamplingParams(temperature=1.0, top_p=0.9)], [SamplingParams(temperature=0.0)]):
         batch = [top3] + others
-        probs = target_probs(logits.expand(len(batch), 1, -1), SamplingBatch.from_params(batch, [None] * len(batch)))
+        probs = target_probs(logits.expand(len(batch), 1, -1), SamplingBatch.from_params(batch, range(len(batch))))
         assert (probs[0, 0] > 0).tolist() == [True, True, True, True, True, False, True, True]
         np.testing.assert_allclose(probs[0, 0].numpy(), reference_probs(logits.double().numpy(), top3), atol=1e-6)
     tied = torch.tensor([0.0, 2.0, 2.0, 1.0]).expand(2, 1, -1)
     mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
-    assert target_probs(tied, SamplingBatch.from_params(mixed, [None] * 2))[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert target_probs(tied, SamplingBatch.from_params(mixed, [0, 1]))[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 def test_extreme_filters_keep_the_top_token():
     """A top_p that float32 rounds to 0 keeps the top token (not none, which would sample from
     NaNs), and a top_k beyond int64 is refused up front (it failed the whole batch's step)."""
     logits = torch.tensor([[[0.5, 2.0, 1.0, -1.0]]])                                    # [1, 1, V]
-    tiny = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=1e-50)], [torch.Generator()])
+    tiny = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=1e-50)], [0])
     assert target_probs(logits, tiny)[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert next_tokens(logits[:, 0], tiny).tolist() == [1]
     with pytest.raises(ValueError, match="top_k"):
@@ -73,7 +73,7 @@ def test_target_probs_match_the_reference(params, n, seed):
     """Every mix of greedy rows and filters (none, each alone, together; only top-p sorts) gives
     the textbook distribution."""
     logits = torch.randn(len(params), n, 30, generator=torch.Generator().manual_seed(seed)) * 3  # [B, N, V]
-    sampling = SamplingBatch.from_params(params, [torch.Generator() for _ in params])
+    sampling = SamplingBatch.from_params(params, range(len(params)))
     got = target_probs(logits, sampling)
     want = np.stack([[reference_probs(row, p) for row in rows] for rows, p in zip(logits.double().numpy(), params)])
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
@@ -116,10 +116,10 @@ def test_next_tokens_follow_the_processed_distribution(params):
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1)) * 2      # [1, V]
     greedy = SamplingParams(temperature=0.0)
     batch = [params] * 4000 + [greedy]
-    sampling = SamplingBatch.from_params(batch, [make_generator(i) for i in range(len(batch))])
+    sampling = SamplingBatch.from_params(batch, range(len(batch)))
     tokens = next_tokens(logits.expand(len(batch), -1), sampling).tolist()
     assert tokens[-1] == int(logits.argmax())
-    probs = target_probs(logits[None], SamplingBatch.from_params([params], [torch.Generator()]))[0, 0].double()
+    probs = target_probs(logits[None], SamplingBatch.from_params([params], [0]))[0, 0].double()
     counts = np.bincount(tokens[:-1], minlength=12)
     assert counts[(probs == 0).numpy()].sum() == 0, "a filtered token was drawn"
     live = (probs > 0).numpy()
@@ -136,8 +136,32 @@ def test_non_finite_logits_do_not_break_the_batch(params):
                            [0.0, 1.0, inf, 0.5],       # +inf: that token takes the mass
                            [0.0, nan, 2.0, 0.5],       # NaN: that token gets none
                            [-inf, -inf, -inf, -inf]])  # no mass: token 0
-    tokens = torch.stack([next_tokens(logits, SamplingBatch.from_params([params] * 4, [make_generator(s + 4 * r)
-                                                                                        for r in range(4)]))
+    tokens = torch.stack([next_tokens(logits, SamplingBatch.from_params([params] * 4, [s + 4 * r for r in range(4)]))
                           for s in range(200)])        # [200, 4]
     assert set(tokens[:, 1].tolist()) == {2} and 1 not in tokens[:, 2].tolist() and set(tokens[:, 3].tolist()) == {0}
     assert len(set(tokens[:, 0].tolist())) > 1
+
+
+def test_counter_uniforms_are_uniform_and_independent_across_seeds_positions_and_streams():
+    from scipy.stats import chisquare, kstest
+    n = 100_000
+    seeds = np.arange(n, dtype=np.uint64) + np.uint64(12345)  # neighbouring seeds, as choice_seed gives
+    u = {key: counter_uniforms(seeds, np.full(n, key[0]), key[1]).numpy() for key in [(7, 0), (8, 0), (7, 1), (7, 2)]}
+    for key, x in u.items():
+        assert kstest(x, "uniform").pvalue > 1e-3, key
+        assert x.min() >= 0.0 and x.max() < 1.0
+    for a, b in [((7, 0), (8, 0)), ((7, 0), (7, 1)), ((7, 1), (7, 2))]:  # pairs: 10 x 10 bins, flat
+        joint, _, _ = np.histogram2d(u[a], u[b], bins=10, range=[[0, 1], [0, 1]])
+        assert chisquare(joint.ravel()).pvalue > 1e-3, (a, b)
+    shifted = counter_uniforms(seeds[1:], np.full(n - 1, 7), 0).numpy()  # seed s + 1 against seed s
+    joint, _, _ = np.histogram2d(u[(7, 0)][:-1], shifted, bins=10, range=[[0, 1], [0, 1]])
+    assert chisquare(joint.ravel()).pvalue > 1e-3
+
+
+def test_a_positions_draw_is_the_same_whichever_step_draws_it():
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 2, [3, 4], [5, 9])
+    later = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 2, [3, 4], [7, 9])
+    assert torch.equal(batch.draws(3, "cpu")[0, 2:], later.draws(1, "cpu")[0])  # position 7, 8: the same
+    assert not torch.equal(batch.draws(3, "cpu")[0], batch.draws(3, "cpu")[1])  # another seed: others
+    coins, draws = batch.coins(4, "cpu"), batch.draws(3, "cpu")
+    assert len(set(coins.flatten().tolist()) | set(draws.flatten().tolist())) == coins.numel() + draws.numel()

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
-from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
+from specflow.sampling import SamplingBatch, sample_rows, target_probs
 from specflow.tree import DraftTree, Verdict
 from verifiers.walk import exact_match
 
@@ -40,9 +40,10 @@ class RejectionVerifier:
     (the first such child), and the residual then left is the law of y given that no child
     matched. So one target token is drawn at every node and the walk follows them
     (``walk.exact_match``). With sampled drafts the rule runs as written, one child per request per
-    iteration (``_walk``). Both run on the device with nothing read back. Uniforms: one per
-    node from each request's generator (a child's coin, or a top-k node's draw) and one for the
-    bonus.
+    iteration (``_walk``). Both run on the device with nothing read back. Uniforms: a top-k
+    node's draw is the one of the position it fills (``SamplingBatch.draws``); a sampled child's
+    coin is the step's coin for that node (``SamplingBatch.coins``), and the bonus the draw of
+    its position.
     """
 
     lossless = True
@@ -57,12 +58,13 @@ class RejectionVerifier:
         if tree.draft_probs is None or bool(sampling.greedy.all()):
             return exact_match(tree, target_logits, sampling)
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        return self._walk(tree, probs, uniforms(sampling.generators, tree.num_nodes + 1, probs.device))
+        return self._walk(tree, probs, sampling.coins(tree.num_nodes, probs.device),
+                          sampling.draws(tree.depth_bound(), probs.device))
 
     @staticmethod
-    def _walk(tree: DraftTree, probs: Tensor, u: Tensor) -> Verdict:
-        """The rule over ``probs`` [B, N, V] with coin ``u[b, x]`` for child x and ``u[b, N]``
-        for the bonus. Each iteration every request tries one child: the first child of the
+    def _walk(tree: DraftTree, probs: Tensor, u: Tensor, draws: Tensor) -> Verdict:
+        """The rule over ``probs`` [B, N, V] with coin ``u[b, x]`` for child x, and ``draws[b, d]``
+        [B, D + 1] for a bonus after depth d. Each iteration every request tries one child: the first child of the
         node it just accepted, or the next sibling of the child it just rejected. A child is
         tried at most once, so N - 1 iterations finish every walk, or ``tree.max_tries`` of them."""
         (b, n, _), dev = probs.shape, probs.device
@@ -95,7 +97,8 @@ class RejectionVerifier:
             path.scatter_(1, torch.where(take, depth[rows, c], d + 1)[:, None], c[:, None])
             node = torch.where(take, c, node)
             child = torch.where(take, first_child[rows, c], torch.where(drop, next_sibling[rows, c], child))
-        return Verdict(path[:, : d + 1], depth[rows, node], sample_rows(p, u[:, n]))
+        accept_len = depth[rows, node]                                            # [B]
+        return Verdict(path[:, : d + 1], accept_len, sample_rows(p, draws[rows, accept_len]))
 
 
 def _normalised(x: Tensor, fallback: Tensor) -> Tensor:

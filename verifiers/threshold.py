@@ -9,7 +9,7 @@ from torch import Tensor
 
 from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
-from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
+from specflow.sampling import SamplingBatch, sample_rows, target_probs
 from specflow.tree import DraftTree, Verdict
 from verifiers.walk import accept_path, draft_token_probs
 
@@ -56,7 +56,7 @@ class ThresholdVerifier:
         (b, n, v), dev = probs.shape, probs.device
         tokens, parents, valid = to_device([tree.tokens, tree.parents.clamp(min=0), tree.valid], dev)
         idx = torch.arange(n, device=dev)
-        u = uniforms(sampling.generators, n + 1, dev)  # [B, N + 1]: a coin at every node, then the bonus's
+        u = sampling.coins(n, dev)  # [B, N]: a coin at every node
         # siblings[b, i, j]: j is a real child under i's parent, at or before i (i's scan so far)
         siblings = (valid & (idx > 0))[:, None, :] & (parents[:, None, :] == parents[:, :, None]) & (idx <= idx[:, None])
         repeat = (siblings & (tokens[:, None, :] == tokens[:, :, None]) & (idx < idx[:, None])).any(-1)  # [B, N]
@@ -72,4 +72,5 @@ class ThresholdVerifier:
         cut = rows.new_zeros(b, v + 1).scatter_(1, torch.where(kids, tokens, v), 1.0)[:, :v] > 0  # [B, V]
         left = rows.masked_fill(cut, 0.0)
         rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)        # no mass left: p itself
-        return Verdict(accepted, accept_len, sample_rows(rows, u[:, n]))
+        bonus_u = sampling.draws(tree.depth_bound(), dev).gather(1, accept_len.to(dev).view(-1, 1))[:, 0]  # its position's
+        return Verdict(accepted, accept_len, sample_rows(rows, bonus_u))

@@ -58,4 +58,7 @@ class TypicalVerifier:
         accepted, accept_len, last = accept_path(tree, torch.where(greedy.view(b, 1), is_argmax, typical))
         # the bonus reads one row per request: process only those
         last_logits = logits[torch.arange(b, device=logits.device), last.to(logits.device)]  # [B, V]
-        return Verdict(accepted, accept_len, next_tokens(last_logits, sampling))
+        # (the bonus is the token at depth accept_len + 1: drawn with that position's uniform)
+        u = None if bool(greedy.all()) else \
+            sampling.draws(tree.depth_bound(), logits.device).gather(1, accept_len.view(-1, 1).to(logits.device))[:, 0]
+        return Verdict(accepted, accept_len, next_tokens(last_logits, sampling, u))

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from specflow.runtime.transfer import to_device
-from specflow.sampling import SamplingBatch, sample_rows, target_probs, uniforms
+from specflow.sampling import SamplingBatch, sample_rows, target_probs
 from specflow.tree import DraftTree, Verdict, ancestor_mask
 
 
@@ -48,16 +48,19 @@ def follow(tree: DraftTree, targets: Tensor) -> Verdict:
 
 def exact_match(tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
     """Accept a child iff its token is the target's own token at its parent: the argmax for
-    greedy rows, else a draw from the processed distribution there (one uniform per node from
-    the row's generator), followed through the tree (``follow``). Each committed token is then a
-    fresh draw from the target given the tokens before it: lossless at any temperature, whatever
-    the drafts, and for top-k (point-mass) drafts exactly rejection sampling."""
+    greedy rows, else a draw from the processed distribution there, followed through the tree
+    (``follow``). Each committed token is then a fresh draw from the target given the tokens
+    before it: lossless at any temperature, whatever the drafts, and for top-k (point-mass)
+    drafts exactly rejection sampling. A node draws with the uniform of the position its child
+    would take (``SamplingBatch.draws``), the one plain decoding draws that token with: with the
+    same seed the output is plain decoding's, token for token."""
     if bool(sampling.greedy.all()):
         # temperature, top-k, top-p and min-p all keep the most likely token, so the argmax of the
         # raw logits is the argmax of the processed probs (target_probs): no need to process
         return follow(tree, target_logits.argmax(-1))                                    # [B, N] argmax
     probs = target_probs(target_logits, sampling)                                       # [B, N, V], greedy rows one-hot
-    return follow(tree, sample_rows(probs, uniforms(sampling.generators, tree.num_nodes, probs.device)))
+    depth = tree.depth.to(probs.device)
+    return follow(tree, sample_rows(probs, sampling.draws(tree.depth_bound(), probs.device).gather(1, depth)))
 
 
 def draft_token_probs(probs: Tensor, tree: DraftTree) -> Tensor:

@@ -141,10 +141,11 @@ def batch_seconds(rows: list[dict]) -> float:
     return sum({r["batch"]: r["seconds"] for r in rows}.values())
 
 
-def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True) -> dict:
-    """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, per category;
-    for ``greedy`` runs also the share of prompts whose tokens match the baseline's (sampled runs
-    are exact in distribution, not token for token).
+def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
+    """Accept length, tokens/s, speedup against the baseline rows, latency percentiles, and the
+    share of prompts whose tokens match the baseline's, per category. Prompts are seeded, so a
+    sampled run matches too where its verifier follows the target's own draws (greedy; rejection
+    over top-k drafts); other sampled runs are exact in distribution, not token for token.
 
     A selection's seconds are the wall times of its distinct batches. A category whose batches
     also hold other categories' prompts cannot be timed apart from them: it gets its accept
@@ -159,7 +160,7 @@ def summarize(rows: list[dict], baseline: list[dict] | None, greedy: bool = True
             out["tokens_per_s"] = tokens / max(batch_seconds(sel), 1e-9)
             if base is not None:
                 out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(batch_seconds(base), 1e-9))
-        if base is not None and greedy:
+        if base is not None:
             out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
         return out
 
@@ -292,7 +293,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
             traceback.print_exc()
             results["pipelines"][p.name] = {"error": f"{type(err).__name__}: {err}"}
         else:
-            results["pipelines"][p.name] = summarize(rows, baseline, greedy=cfg.sampling.temperature == 0)
+            results["pipelines"][p.name] = summarize(rows, baseline)
             results["pipelines"][p.name] |= {"lossless": engine.verifier.lossless, "run_seconds": run_seconds,
                                              "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)

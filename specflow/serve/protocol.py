@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_LOGPROBS = 20   # OpenAI's bound for top_logprobs
 MAX_N = 16          # each choice is one engine request, so n costs n batch slots
 MAX_STOP = 16
-SEED_RANGE = 2**63        # seeds wrap into the range the engine draws its own from (make_generator)
+SEED_RANGE = 2**63        # seeds wrap into the range the engine draws its own from (request_seed)
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 

@@ -65,15 +65,18 @@ def make_pair(vocab: int = 5, max_len: int = 5, seed: int = 0) -> tuple[PathOrac
 
 def speculative_step(builder, verifier, target: PathOracle, drafter: OracleDrafter,
                      contexts: list[list[int]], params: SamplingParams,
-                     generators: list[torch.Generator]) -> list[list[int]]:
-    """One build + verify for every request; returns the committed tokens of each."""
+                     seeds: list[int], generators: list[torch.Generator] | None = None) -> list[list[int]]:
+    """One build + verify for every request (request r seeded ``seeds[r]``, its sampled drafts
+    from ``generators[r]``, by default a new generator of that seed: a later step of the same
+    requests must pass the first step's on); returns the committed tokens of each."""
     b = len(contexts)
+    generators = generators or [make_generator(s) for s in seeds]
     roots = Roots(list(range(b)), torch.tensor([c[-1] for c in contexts]),
                   torch.tensor([len(c) - 1 for c in contexts]), contexts, generators,
                   torch.full((b,), params.greedy))
     tree = builder.build(drafter, roots)
     verdict = verifier.verify(tree, target.tree_logits(tree, contexts),
-                              SamplingBatch.from_params([params] * b, generators))
+                              SamplingBatch.from_params([params] * b, seeds, [len(c) for c in contexts]))
     tokens = tree.tokens.gather(1, verdict.accepted.clamp(min=0)).tolist()
     return [tokens[r][1:n + 1] + [bonus] for r, (n, bonus)
             in enumerate(zip(verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()))]
@@ -82,12 +85,13 @@ def speculative_step(builder, verifier, target: PathOracle, drafter: OracleDraft
 def first_two_counts(builder, verifier, target: PathOracle, drafter: OracleDrafter,
                      params: SamplingParams, samples: int, seed: int) -> Tensor:
     """[V, V] counts of the first two committed tokens over ``samples`` requests from [START]."""
-    generators = [make_generator(seed * 1_000_003 + r) for r in range(samples)]
-    committed = speculative_step(builder, verifier, target, drafter, [[START]] * samples, params, generators)
+    seeds = [seed * 1_000_003 + r for r in range(samples)]
+    generators = [make_generator(s) for s in seeds]
+    committed = speculative_step(builder, verifier, target, drafter, [[START]] * samples, params, seeds, generators)
     short = [r for r, toks in enumerate(committed) if len(toks) < 2]  # rejected everything: one more step
     if short:
         more = speculative_step(builder, verifier, target, drafter, [[START, committed[r][0]] for r in short],
-                                params, [generators[r] for r in short])
+                                params, [seeds[r] for r in short], [generators[r] for r in short])
         for r, toks in zip(short, more):
             committed[r] = committed[r] + toks
     pairs = torch.tensor([toks[:2] for toks in committed])
@@ -100,7 +104,7 @@ def first_two_probs(target: PathOracle, params: SamplingParams) -> Tensor:
     v = target.vocab
     codes = [target.code([START])] + [target.code([START, x]) for x in range(v)]
     probs = target_probs(target.table[codes].unsqueeze(0),
-                         SamplingBatch.from_params([params], [make_generator(0)]))[0]  # [1 + V, V]
+                         SamplingBatch.from_params([params], [0]))[0]  # [1 + V, V]
     return probs[0].unsqueeze(1) * probs[1:]
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from specflow.config import build_component
 from specflow.registry import VERIFIERS
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator
+from specflow.sampling import SamplingBatch, SamplingParams
 from specflow.tree import DraftTree
 from verifiers.greedy import GreedyVerifier
 
@@ -76,7 +76,7 @@ def test_temperature_zero_commits_the_greedy_walk(node, tree, seed, top_k, top_p
     g = torch.Generator().manual_seed(seed)
     logits = torch.randint(-2, 3, (b, n, VOCAB), generator=g).float()  # integers: argmax ties too
     params = SamplingParams(temperature=0.0, top_k=top_k, top_p=top_p)
-    sampling = SamplingBatch.from_params([params] * b, [make_generator(seed + r) for r in range(b)])
+    sampling = SamplingBatch.from_params([params] * b, [seed + r for r in range(b)])
     verdict = verifier.verify(tree, logits, sampling)
     max_depth = int(tree.depth.max())
     assert verdict.accepted.shape in ((b, max_depth + 1), (b, (tree.max_depth or 0) + 1))
@@ -103,6 +103,6 @@ def test_greedy_verifier_follows_the_target_draws_when_sampling():
                      scores=torch.ones(1, 4), valid=torch.ones(1, 4, dtype=torch.bool),
                      sampled=torch.zeros(1, 4, dtype=torch.bool))  # no mask: the verifier builds it
     logits = 100 * torch.tensor([[[0.0, 1.0, 2.0], [3.0, 0.0, 0.0], [5.0, 0.0, 1.0], [0.0, 0.0, 0.0]]])
-    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.5)], [make_generator(0)])
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.5)], [0])
     verdict = GreedyVerifier().verify(tree, logits, sampling)
     assert verdict.accepted.tolist() == [[0, 2, -1]] and verdict.bonus_tokens.tolist() == [0]

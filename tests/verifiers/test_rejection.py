@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator, sample_rows, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs
 from specflow.tree import DraftTree, Expansion
 from tests.verifiers.test_greedy import VOCAB, random_trees
 from tests.verifiers.oracle import (OracleDrafter, PathOracle, chi_square_pvalue, first_two_counts,
@@ -78,7 +78,7 @@ def test_a_drafter_equal_to_the_target_is_always_accepted():
     target = PathOracle(vocab=5, max_len=5, seed=3)
     committed = speculative_step(ChainBuilder(depth=3, sample=True), RejectionVerifier(), target,
                                  OracleDrafter(target), [[0]] * 200, SamplingParams(temperature=1.0),
-                                 [make_generator(r) for r in range(200)])
+                                 list(range(200)))
     assert all(len(toks) == 4 for toks in committed)
 
 
@@ -93,16 +93,18 @@ def test_residual_without_mass_falls_back_to_the_target():
     logits = p.log().expand(1, 2, 4)  # -inf where p is 0: exactly zero after softmax
     bonus = set()
     for seed in range(20):
-        sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [make_generator(seed)])
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [seed])
         verdict = RejectionVerifier().verify(tree, logits, sampling)
         assert verdict.accept_len.tolist() == [0]
         bonus.add(int(verdict.bonus_tokens[0]))
     assert bonus == {1, 2}
 
 
-def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray) -> list[tuple[list[int], int]]:
+def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray,
+                 draws: np.ndarray) -> list[tuple[list[int], int]]:
     """Reference: the class docstring's rule, one request and one child at a time in float64,
-    with coin ``coins[b, x]`` for child x and ``coins[b, N]`` for the bonus: (path, bonus) each."""
+    with coin ``coins[b, x]`` for child x and ``draws[b, d]`` for a bonus after depth d: (path,
+    bonus) each."""
     def normalised(x, fallback):
         return x / x.sum() if x.sum() > 0 else fallback
 
@@ -129,7 +131,7 @@ def rule_by_hand(tree: DraftTree, probs: np.ndarray, coins: np.ndarray) -> list[
             node = c
             path.append(node)
             p, q = probs[b, node].copy(), q_all[b, node].copy()
-        bonus = sample_rows(torch.from_numpy(p)[None], torch.tensor(coins[b, -1:]))
+        bonus = sample_rows(torch.from_numpy(p)[None], torch.tensor(draws[b, len(path) - 1:len(path)]))
         out.append((path, int(bonus[0])))
     return out
 
@@ -158,7 +160,7 @@ def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all
     """Sampled and top-k siblings mixed (or all sampled: rejections that update q), duplicate
     tokens, padding, residuals that run out of mass (top-k zeros), a greedy request among
     sampled ones, depth bounds exact or loose, walks cut at the exact ``max_tries`` bound; coins
-    as the verifier draws them: N + 1 per request."""
+    as the verifier draws them: one per node, and the bonus's the draw of its position."""
     b, n = tree.tokens.shape
     if all_sampled:
         tree.sampled = tree.valid & (torch.arange(n) > 0)
@@ -169,12 +171,12 @@ def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all
     logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
     params = [SamplingParams(temperature=0.0 if greedy_first and r == 0 else temperature, top_k=top_k)
               for r in range(b)]
-    sampling = SamplingBatch.from_params(params, [make_generator(seed + r) for r in range(b)])
-    coins = np.stack([torch.rand(n + 1, generator=make_generator(seed + r), dtype=torch.float64).numpy()
-                      for r in range(b)])
+    sampling = SamplingBatch.from_params(params, [seed + r for r in range(b)], [seed % 7 + r for r in range(b)])
+    coins, draws = sampling.coins(n, "cpu").numpy(), sampling.draws(tree.depth_bound(), "cpu").numpy()
     verdict = RejectionVerifier().verify(tree, logits, sampling)
     assert verdict.accepted.shape == (b, tree.depth_bound() + 1)
-    for r, (path, bonus) in enumerate(rule_by_hand(tree, target_probs(logits, sampling).double().numpy(), coins)):
+    for r, (path, bonus) in enumerate(rule_by_hand(tree, target_probs(logits, sampling).double().numpy(), coins,
+                                                   draws)):
         assert verdict.accepted[r, : len(path)].tolist() == path and verdict.accepted[r, len(path):].eq(-1).all()
         assert int(verdict.accept_len[r]) == len(path) - 1
         assert int(verdict.bonus_tokens[r]) == bonus

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from specflow.config import build_component
 from specflow.registry import VERIFIERS
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator, sample_rows, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs
 from specflow.tree import DraftTree
 from tests.verifiers.oracle import chi_square_pvalue, first_two_counts, first_two_probs, make_pair
 from tests.verifiers.test_greedy import VOCAB, random_trees
@@ -57,10 +57,11 @@ def test_bad_thresholds(kwargs, match):
         ThresholdVerifier(**kwargs)
 
 
-def sequential_scan(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, single: float,
+def sequential_scan(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, draws: torch.Tensor, single: float,
                     acc: float) -> list[tuple[list[int], int]]:
     """Reference: SGLang's scan, one request and one child at a time, with coin ``coins[b, node]``
-    at each visited node and ``coins[b, N]`` for the bonus: (accepted path, bonus) per request."""
+    at each visited node and ``draws[b, d]`` for a bonus after depth d: (accepted path, bonus)
+    per request."""
     out = []
     for b in range(tree.batch_size):
         node, path = 0, [0]
@@ -82,7 +83,7 @@ def sequential_scan(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, s
         row = probs[b, node].clone()
         row[list(zeroed)] = 0.0
         row = row if row.sum() > 0 else probs[b, node]
-        out.append((path, int(sample_rows(row[None], coins[b, -1:])[0])))
+        out.append((path, int(sample_rows(row[None], draws[b, len(path) - 1:len(path)])[0])))
     return out
 
 
@@ -91,14 +92,14 @@ def sequential_scan(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, s
        acc=st.sampled_from([1.0, 0.5]), temperature=st.sampled_from([1.0, 3.0]))
 def test_the_walk_is_the_sequential_scan(tree, seed, single, acc, temperature):
     """Padding, duplicate sibling tokens (zeroed once rejected) and both thresholds; coins as
-    the verifier draws them: N + 1 per request from its generator."""
+    the verifier draws them: one per node, and the bonus's the draw of its position."""
     b, n = tree.tokens.shape
     logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed))
     sampling = SamplingBatch.from_params([SamplingParams(temperature=temperature)] * b,
-                                         [make_generator(seed + r) for r in range(b)])
-    coins = torch.stack([torch.rand(n + 1, generator=make_generator(seed + r), dtype=torch.float64)
-                         for r in range(b)])
+                                         [seed + r for r in range(b)], [seed % 5 + 3 * r for r in range(b)])
+    coins, draws = sampling.coins(n, "cpu"), sampling.draws(tree.depth_bound(), "cpu")
     verdict = ThresholdVerifier(single, acc).verify(tree, logits, sampling)
-    for r, (path, bonus) in enumerate(sequential_scan(tree, target_probs(logits, sampling), coins, single, acc)):
+    for r, (path, bonus) in enumerate(sequential_scan(tree, target_probs(logits, sampling), coins, draws,
+                                                      single, acc)):
         assert verdict.accepted_nodes(r) == path
         assert int(verdict.bonus_tokens[r]) == bonus

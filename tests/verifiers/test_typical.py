@@ -5,7 +5,7 @@ import torch
 
 from specflow.config import build_component
 from specflow.registry import VERIFIERS
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator
+from specflow.sampling import SamplingBatch, SamplingParams
 from specflow.tree import DraftTree
 from verifiers.typical import TypicalVerifier
 
@@ -33,7 +33,7 @@ def test_accepts_the_first_child_above_the_entropy_scaled_floor():
     p = torch.softmax(root, -1)
     floor = typical_floor(p, 0.09, 0.3)
     assert p[3] < floor < p[2]
-    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [make_generator(0)])
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [0])
     # children in index order 3, 2, 0: token 3 is atypical, token 2 is the first to pass
     verdict = TypicalVerifier().verify(star_tree([3, 2, 0]), logits, sampling)
     assert verdict.accepted.tolist() == [[0, 2, -1]]  # node 5 (token 0) fails below: p(0) tiny
@@ -44,8 +44,8 @@ def test_temperature_scales_the_typical_probabilities():
     root = torch.tensor([2.0, 1.6, 1.0, -3.0])
     logits = torch.stack([root] + [torch.zeros(4)] * 2).unsqueeze(0)
     tree = star_tree([3])
-    hot = SamplingBatch.from_params([SamplingParams(temperature=5.0)], [make_generator(0)])
-    cold = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [make_generator(0)])
+    hot = SamplingBatch.from_params([SamplingParams(temperature=5.0)], [0])
+    cold = SamplingBatch.from_params([SamplingParams(temperature=1.0)], [0])
     # at T = 5, p(3) ~ 0.12 clears the floor min(.09, .3 exp(-H ~ 1.33)) ~ 0.08; at T = 1 (0.003) it does not
     assert TypicalVerifier().verify(tree, logits, hot).accepted[0, 1] == 1
     assert TypicalVerifier().verify(tree, logits, cold).accepted[0, 1] == -1
@@ -68,7 +68,7 @@ def test_each_request_draws_its_bonus_at_its_own_last_node():
     accepts = torch.stack([root] + [after] * 6)                                       # [7, 4]: stops at node 2
     rejects = torch.stack([torch.tensor([-9.0, 9.0, -9.0, -9.0])] + [after] * 6)      # stops at the root
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=1)] * 2,
-                                         [make_generator(0), make_generator(1)])
+                                         [0, 1])
     tree = star_tree([3, 2, 0])
     tree = DraftTree(*(torch.cat([x, x]) for x in (tree.tokens, tree.parents, tree.depth, tree.positions,
                                                    tree.scores, tree.valid, tree.sampled))).with_mask()
