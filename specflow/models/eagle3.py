@@ -83,9 +83,10 @@ class Eagle3Head(nn.Module):
     """EAGLE-3 head over a target's embedding (see module docstring).
 
     ``forward(input_ids [T], positions [T], attn, taps=(), *, features)`` takes target taps
-    ``[T, len(taps) * H]`` (projected by ``fc``) or features already projected / fed back
-    ``[T, H]``, and returns the head's output ``[T, H]``. ``compute_logits`` gives draft-vocab
-    logits; ``draft_to_target`` maps draft ids to target ids through ``d2t``.
+    ``[T, len(taps) * H]`` (projected by ``fc``) or features already projected (``project``) / fed
+    back ``[T, H]``, and returns the head's output ``[T, H]``; one tap's taps are ``[T, H]`` too and
+    must go through ``project`` first (training and the drafter always do). ``compute_logits``
+    gives draft-vocab logits; ``draft_to_target`` maps draft ids to target ids through ``d2t``.
     """
 
     def __init__(self, cfg: ModelConfig, embed_tokens: nn.Embedding, taps: tuple[int, ...], *,
@@ -104,14 +105,19 @@ class Eagle3Head(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def project(self, features: Tensor) -> Tensor:
-        """Concatenated target taps [T, len(taps) * H] -> the head's feature [T, H] (``fc``)."""
-        return features if features.shape[-1] == self.config.hidden_size else self.fc(features)
+        """Concatenated target taps [T, len(taps) * H] -> the head's feature [T, H] (``fc``), for
+        any number of taps: with one tap the taps are [T, H] too, so the width cannot tell them
+        from a projected feature, and ``fc`` must still apply (as training applies it)."""
+        return self.fc(features)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
                 taps: tuple[int, ...] = (), *, features: Tensor) -> tuple[Tensor, list[Tensor]]:
         assert not taps, "a draft head has no layer taps"
         embeds = self.target_modules[0](input_ids)                   # [T, H]
-        hidden = self.project(features.to(embeds.dtype))             # [T, H]
+        features = features.to(embeds.dtype)
+        # as cnets.py / SGLang: a width other than H is target taps (fc); an [T, H] input is a
+        # projected or fed-back feature (a one-tap head's taps must come through ``project``)
+        hidden = features if features.shape[-1] == self.config.hidden_size else self.fc(features)
         return self.midlayer(embeds, hidden, self.rotary_emb(positions, hidden.dtype), attn), []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

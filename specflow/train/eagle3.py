@@ -52,8 +52,11 @@ def draft_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:
 
 
 def new_eagle3_head(target: LlamaForCausalLM, hot: Tensor, taps: tuple[int, ...]) -> Eagle3Head:
-    """A freshly initialised head over ``target``'s embedding, drafting among the ids ``hot``."""
+    """A freshly initialised head over ``target``'s embedding, drafting among the ids ``hot``
+    (one tap: ``fc`` starts as the identity, so training starts from the tap as it is)."""
     head = Eagle3Head(new_head_config(target.config, 1), target.embed_tokens, taps, draft_vocab_size=len(hot))
+    if len(taps) == 1:
+        nn.init.eye_(head.fc.weight)
     head.d2t.copy_(hot - torch.arange(len(hot)))
     head.t2d.zero_().index_fill_(0, hot, True)
     return head

@@ -39,3 +39,29 @@ def test_trained_eagle3_head_is_accepted_far_more_often(tmp_path, trained_target
     before = mean_accept_length(trained_target, {"type": "eagle3", "path": str(untrained)})
     after = mean_accept_length(trained_target, {"type": "eagle3", "path": cfg.output_dir})
     assert after > before + 1.0, (before, after)
+
+
+def test_one_tap_head_trains_and_drafts_through_fc(tiny_target):
+    """With one tap the taps are [T, H], as wide as a projected feature: fc must still be the
+    projection training learns and the drafter applies (it was skipped by width, so the exported
+    fc was never trained and never read)."""
+    from drafters.eagle3 import Eagle3Drafter
+    from specflow.protocols import TargetFeatures
+    from specflow.train.config import OptimConfig
+    from specflow.train.eagle3 import Eagle3Module
+
+    target = load_model(tiny_target)
+    torch.manual_seed(0)
+    head = new_eagle3_head(target, torch.arange(160), (1,))
+    assert tuple(head.fc.weight.shape) == (64, 64)
+    batch = torch.randint(320, (2, 17), generator=torch.Generator().manual_seed(0))
+    Eagle3Module(head, target, OptimConfig(), unroll=2).losses(batch)["loss"].backward()
+    assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0   # training reads fc
+
+    taps = torch.randn(5, 64)
+    features = TargetFeatures([0], [torch.arange(5)], [torch.arange(5)], [1], taps=[taps])
+    with torch.no_grad():
+        torch.testing.assert_close(head.fc(taps), taps)      # a new one-tap head starts from the tap itself
+        head.fc.weight.normal_(0, 0.1)                       # ... and once fc is trained, drafting reads it
+        projected = Eagle3Drafter(head, kv_cache_tokens=64).projected(features)[0]
+        torch.testing.assert_close(projected, head.fc(taps))
