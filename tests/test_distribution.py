@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specflow import SamplingParams, SpecEngine
 from specflow.config import build_component
@@ -51,6 +50,7 @@ def sampled_counts(engine: SpecEngine, n: int, prompt: list[int] = PROMPT) -> to
 
 
 def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare  # (here: the GPU machine has no scipy)
     expected = probs * counts.sum()
     big = expected >= 5  # pool small cells so the chi-square approximation holds
     obs = torch.cat([counts[big], counts[~big].sum()[None]]).numpy()

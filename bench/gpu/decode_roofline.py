@@ -48,6 +48,15 @@ def decode_bytes(model, mean_context: float) -> tuple[int, int]:
     return weights, int(kv_per_token * mean_context)
 
 
+def decode_graph(key: tuple, kv_len: int) -> bool:
+    """Whether GraphRunner's graph ``key`` (batch size, tokens per request, taps, extra inputs,
+    the backend's graph_key) is the one a batch-1 decode step at ``kv_len`` replays: the torch
+    backend keys graphs on their KV width, flashinfer's on the decode kernel (any width)."""
+    size, n, taps, inputs, backend_key = key
+    width_ok = backend_key is True if isinstance(backend_key, bool) else backend_key == kv_bucket(kv_len)
+    return (size, n, taps, inputs) == (1, 1, (), ()) and width_ok
+
+
 def forward_ms(engine: SpecEngine, context: int, device: torch.device) -> dict[str, float]:
     """Where a decode step's time goes, at ``context`` cached tokens: one target forward through the
     runner (its host work, the kernels and the LM head), and with CUDA graphs the captured decode
@@ -60,9 +69,8 @@ def forward_ms(engine: SpecEngine, context: int, device: torch.device) -> dict[s
         runner.cache.truncate(rid, context)
 
     out = {"runner_forward": gpu.median_ms(forward, device, iters=50, warmup=5)}
-    shape = (1, 1, kv_bucket(context + 1))  # the decode graph ``forward`` replays
     captured = [g.graph for key, g in (runner.graphs.graphs if runner.graphs else {}).items()
-                if key[:3] == shape and g.graph is not None]
+                if decode_graph(key, context + 1) and g.graph is not None]
     if captured:
         out["graph_replay"] = gpu.median_ms(captured[0].replay, device, iters=50, warmup=5)
     runner.release([rid])

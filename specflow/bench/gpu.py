@@ -151,6 +151,7 @@ def profile_steps(engine: SpecEngine, prompt: list[int], device: torch.device, p
             engine.step()
         synchronize(device)
     engine.abort(rid)
+    path.parent.mkdir(parents=True, exist_ok=True)  # (profiles are written before the JSON result)
     table = prof.key_averages()
     sections = [("self CPU time", "self_cpu_time_total")]
     if device.type == "cuda":

@@ -115,3 +115,23 @@ class _CausalAttention:
 def test_real_shape_refuses_the_cpu(tmp_path):
     with pytest.raises(SystemExit, match="--tiny"):
         script("decode_roofline").main(["--out", str(tmp_path / "x.json"), "--device", "cpu"])
+
+
+def test_decode_roofline_times_the_captured_decode_graph(tmp_path, monkeypatch):
+    """With graphs captured (emulated on the CPU), ``step_ms`` has the decode graph's replay alone;
+    --profile writes its table even where the JSON's folder does not exist yet."""
+    from tests.runtime import graph_emulator
+
+    graph_emulator.install(monkeypatch)
+    out = tmp_path / "new" / "decode_roofline.json"
+    r = script("decode_roofline").main(["--tiny", "--out", str(out), "--device", "cpu", "--cuda-graphs", "on",
+                                        "--profile"])
+    assert positive(r["step_ms"]["graph_replay"])
+    assert "engine steps, by self CPU time" in out.with_suffix(".profile.txt").read_text()
+
+
+@pytest.mark.parametrize("backend_key, kv_len, expected", [
+    (128, 100, True), (256, 100, False), (True, 5000, True), (False, 10, False)])
+def test_decode_graph_key(backend_key, kv_len, expected):
+    assert script("decode_roofline").decode_graph((1, 1, (), (), backend_key), kv_len) is expected
+    assert not script("decode_roofline").decode_graph((2, 1, (), (), backend_key), kv_len)

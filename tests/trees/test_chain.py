@@ -2,7 +2,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 from specflow.config import build_component
 from specflow.registry import TREE_BUILDERS
@@ -65,6 +64,7 @@ def test_sampled_chain_draws_from_q_and_records_it():
 
 def test_sampled_chain_first_token_follows_q():
     """The first sampled token's frequencies match q (many requests with one shared context)."""
+    from scipy.stats import chisquare  # (here: the GPU machine has no scipy)
     drafter = TableDrafter(vocab=4, seed=9)
     b = 4000
     roots = make_roots(b, 4, seed=0)
