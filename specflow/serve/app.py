@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -31,6 +32,15 @@ from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, Mo
 log = logging.getLogger("specflow.serve")
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message that quotes the client's input (a model name, a
+    field name) renders even when that input holds a lone UTF-16 surrogate, which is valid JSON
+    (``"\\ud800"``) but no UTF-8 text."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -146,26 +156,26 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     errors = exc.errors()
     if any(e["type"] == "json_invalid" for e in errors):
         msg = next(e for e in errors if e["type"] == "json_invalid").get("ctx", {}).get("error", "")
-        return JSONResponse(error_body(f"the request body is not valid JSON: {msg}"), 400)
+        return ErrorResponse(error_body(f"the request body is not valid JSON: {msg}"), 400)
     if errors[0]["loc"] == ("body",) and errors[0]["type"] in ("missing", "model_attributes_type", "dict_type"):
-        return JSONResponse(error_body("the request body must be a JSON object "
-                                       "(with Content-Type: application/json)"), 400)
+        return ErrorResponse(error_body("the request body must be a JSON object "
+                                        "(with Content-Type: application/json)"), 400)
     fields = [".".join(str(x) for x in e["loc"][1:]) for e in errors]   # "" for a whole-body check
     message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, errors))
-    return JSONResponse(error_body(message, param=fields[0] or None), 400)
+    return ErrorResponse(error_body(message, param=fields[0] or None), 400)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
+    return ErrorResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
 
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body, exc.status)
+    return ErrorResponse(exc.body, exc.status)
 
 
 async def _engine_not_running(_: Request, exc: EngineNotRunning) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), "server_error"), 503)
+    return ErrorResponse(error_body(str(exc), "server_error"), 503)
 
 
 class GracefulServer(uvicorn.Server):

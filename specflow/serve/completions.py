@@ -176,7 +176,13 @@ class OpenAIServing:
         the event loop, and every stream on it, for as long as it takes."""
         prompts = body.prompts()
         self._check_num_sequences(len(prompts), body.n)
-        return await asyncio.to_thread(lambda: [self.loop.engine.encode(p) for p in prompts])
+
+        def encode(prompt: str | list[int]) -> list[int]:
+            if isinstance(prompt, str):
+                _check_unicode(prompt, "prompt")
+            return self.loop.engine.encode(prompt)
+
+        return await asyncio.to_thread(lambda: [encode(p) for p in prompts])
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt token ids of a conversation, through the tokenizer's chat template (called on
@@ -192,6 +198,7 @@ class OpenAIServing:
         except Exception as e:   # the checkpoint's own template code failed on these messages
             raise ApiError(400, f"the chat template of '{self.model_name}' cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param="messages") from None
+        _check_unicode(text, "messages")   # (tools' strings reach the text too)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
 
     @staticmethod
@@ -289,6 +296,16 @@ class OpenAIServing:
             ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
                              top_logprobs=[entry(t, v) for t, v in lp.top])
             for lp in logprobs])
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """400 unless ``text`` is valid Unicode: JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no tokenizer takes (a TypeError from tokenizers, which was a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
+                            f"{e.start}), which is not valid Unicode text", param=param) from None
 
 
 def _tool_call_delta(parser: ToolCallStream, d: Delta) -> tuple[ChatDelta, str | None]:

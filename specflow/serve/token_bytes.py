@@ -42,8 +42,9 @@ class TokenBytes:
         return self._cache[token_id]
 
     def _bytes(self, piece: str) -> bytes:
-        if self.byte_level and all(c in BYTE_LEVEL for c in piece):
-            return bytes(BYTE_LEVEL[c] for c in piece)
+        if self.byte_level:  # as tokenizers' ByteLevel decoder: a piece with a character outside the table
+            # is its own text (an added token such as DeepSeek's <｜tool▁calls▁begin｜> keeps its "▁")
+            return bytes(BYTE_LEVEL[c] for c in piece) if all(c in BYTE_LEVEL for c in piece) else piece.encode()
         if m := BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(m.group(1), 16)])
         return piece.replace("▁", " ").encode()

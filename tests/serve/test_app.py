@@ -71,6 +71,13 @@ BAD = [
      400, f"1 prompt(s) x n={MAX_SEQUENCES + 1} = {MAX_SEQUENCES + 1} sequences"),
     ("body over limits.max_request_bytes", "completions", {**GOOD, "prompt": "x" * MAX_REQUEST_BYTES},
      413, "limits.max_request_bytes"),
+    # JSON's "\ud800" escapes are valid JSON but lone surrogates, no Unicode text: no tokenizer takes them
+    ("lone surrogate in a prompt", "completions", json.dumps({**GOOD, "prompt": ["ok", "a\ud800b"]}).encode(),
+     400, "prompt"),
+    ("lone surrogate in a message", "chat/completions",
+     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}).encode(), 400, "messages"),
+    ("lone surrogate in the model name", "completions", json.dumps({**GOOD, "model": "\ud800"}).encode(),
+     404, "model"),
 ]
 
 

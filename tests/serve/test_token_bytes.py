@@ -3,7 +3,7 @@ shipped family's) and a SentencePiece-style one with byte fallback."""
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specflow.serve.token_bytes import TextOffsets, TokenBytes
@@ -28,6 +28,19 @@ def test_byte_level_tokens_give_their_bytes_and_where_they_start():
     assert starts == sorted(starts) and starts[-1] < len(TEXT)
     eos = tokenizer.eos_token_id                                # left out of the text: no room
     assert offsets(eos) == offsets(ids[0]) == len(TEXT)
+
+
+def test_byte_level_added_tokens_are_their_own_text():
+    """GPT-2's decoder turns a piece with a character outside its table into that piece's own
+    text, "▁" included: DeepSeek's <｜tool▁calls▁begin｜> and <｜end▁of▁sentence｜> are such tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(ZOO)
+    added = ["<｜tool▁calls▁begin｜>", "😀", "a b"]
+    tokenizer.add_tokens([AddedToken(w, normalized=False, special=False) for w in added])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<｜end▁of▁sentence｜>"]})
+    token_bytes = TokenBytes(tokenizer)
+    for word in [*added, "<｜end▁of▁sentence｜>"]:
+        token_id = tokenizer.convert_tokens_to_ids(word)
+        assert bytes(token_bytes(token_id)) == tokenizer.decode([token_id]).encode() == word.encode(), word
 
 
 def test_sentencepiece_pieces_and_byte_fallback():
