@@ -74,7 +74,10 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def fits_alone(self, req: Request) -> bool:
-        """Whether the whole pool (but the CUDA graphs' padding pages) could ever hold this
-        request's next step, a plain one at least."""
+        """Whether the whole pool could ever hold this request's next step, a plain one at least."""
+        return req.seq_len + 1 <= self.max_request_tokens()
+
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can hold: the whole pool but the CUDA graphs' padding pages."""
         usable = self.cache.allocator.num_pages - len(self.cache.block_tables.get(PAD_REQUEST, ()))
-        return self.cache.pages_needed(req.seq_len + 1) <= usable
+        return usable * self.cache.page_size

@@ -69,7 +69,14 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_sequences = max_sequences   # sequences (prompts x n) one request may put in the engine
         self.tokenizer = loop.engine.tokenizer
-        self.context_len = loop.engine.model.config.max_position_embeddings
+        engine = loop.engine
+        # a request's context: the model's, or the KV cache's when that holds fewer tokens (as vLLM's
+        # max_model_len); /v1/models reports it and max_tokens defaults to its rest
+        self.context_len = min(engine.model.config.max_position_embeddings, engine.scheduler.max_request_tokens())
+        # a text longer than this cannot fit the context, whatever it tokenizes to (x 4: a normalizer
+        # may shrink it): refused before tokenizing, which costs seconds a megabyte
+        self.longest_token = max(map(len, self.tokenizer.get_vocab()))
+        self.max_prompt_chars = 4 * self.context_len * self.longest_token
         self._token_text: dict[int, str] = {}
         self._bytes = TokenBytes(self.tokenizer)
 
@@ -177,12 +184,10 @@ class OpenAIServing:
         prompts = body.prompts()
         self._check_num_sequences(len(prompts), body.n)
 
-        def encode(prompt: str | list[int]) -> list[int]:
+        for prompt in prompts:
             if isinstance(prompt, str):
-                _check_unicode(prompt, "prompt")
-            return self.loop.engine.encode(prompt)
-
-        return await asyncio.to_thread(lambda: [encode(p) for p in prompts])
+                self._check_text(prompt, "prompt")
+        return await asyncio.to_thread(lambda: [self.loop.engine.encode(p) for p in prompts])
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt token ids of a conversation, through the tokenizer's chat template (called on
@@ -198,8 +203,21 @@ class OpenAIServing:
         except Exception as e:   # the checkpoint's own template code failed on these messages
             raise ApiError(400, f"the chat template of '{self.model_name}' cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param="messages") from None
-        _check_unicode(text, "messages")   # (tools' strings reach the text too)
+        self._check_text(text, "messages")   # (tools' strings reach the text too)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+
+    def _check_text(self, text: str, param: str) -> None:
+        """400 unless ``text`` is short enough that its tokens could fit the context, and valid
+        Unicode (JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer takes)."""
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"{param} has {len(text)} characters, far more than the context "
+                                f"({self.context_len} tokens of at most {self.longest_token} characters) holds",
+                           param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
+                                f"{e.start}), which is not valid Unicode text", param=param) from None
 
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
@@ -296,16 +314,6 @@ class OpenAIServing:
             ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
                              top_logprobs=[entry(t, v) for t, v in lp.top])
             for lp in logprobs])
-
-
-def _check_unicode(text: str, param: str) -> None:
-    """400 unless ``text`` is valid Unicode: JSON's ``\\ud800`` escapes decode to lone surrogates,
-    which no tokenizer takes (a TypeError from tokenizers, which was a 500)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
-                            f"{e.start}), which is not valid Unicode text", param=param) from None
 
 
 def _tool_call_delta(parser: ToolCallStream, d: Delta) -> tuple[ChatDelta, str | None]:

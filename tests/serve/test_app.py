@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from specflow import SpecEngine
 from specflow.serve import build_app
-from tests.serve.conftest import API_KEY, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
+from tests.serve.conftest import API_KEY, KV_CACHE_TOKENS, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
 
@@ -61,6 +61,9 @@ BAD = [
     ("prompt longer than the context", "completions", {**GOOD, "prompt": [7] * 5000}, 400, "context length"),
     ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 5000}, 400, "context length"),
     ("prompt larger than the KV cache", "completions", {**GOOD, "prompt": [7] * 600}, 400, "KV cache"),
+    # refused by its length alone, before tokenizing (which costs seconds a megabyte)
+    ("prompt text past any context", "completions", {**GOOD, "prompt": "x" * (MAX_REQUEST_BYTES // 2)},
+     400, "far more than the context (512 tokens"),
     ("token id outside the vocabulary", "completions", {**GOOD, "prompt": [1, 2, 100000]}, 400, "vocabulary"),
     ("more prompts than limits.max_sequences", "completions", {**GOOD, "prompt": ["x"] * (MAX_SEQUENCES + 1)},
      400, "prompt"),
@@ -90,6 +93,8 @@ def post(url: str, endpoint: str, body) -> httpx.Response:
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # the KV cache (KV_CACHE_TOKENS) holds fewer tokens than the model's context: it is the limit
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["max_model_len"] == KV_CACHE_TOKENS
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("org/other-model")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
