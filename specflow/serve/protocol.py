@@ -54,12 +54,20 @@ class SamplingFields(_Strict):
     user: str | None = None           # accepted and ignored, as OpenAI does
     frequency_penalty: float = 0.0    # penalties are not implemented: 0 only
     presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # not implemented: empty only (clients send {})
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
     def _no_penalties(cls, v: float) -> float:
         if v != 0:
             raise ValueError("penalties are not supported; leave them at 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported; leave it empty")
         return v
 
     @field_validator("top_k")
@@ -96,6 +104,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
+    best_of: Literal[1] | None = None   # OpenAI's default; more candidates per choice are not supported
 
     @field_validator("prompt")
     @classmethod

@@ -53,6 +53,9 @@ BAD = [
     ("seed below int64", "completions", {**GOOD, "seed": -2**63 - 1}, 400, "seed"),
     ("empty stop string", "completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("penalty", "completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("logit_bias", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                        "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("best_of > 1", "completions", {**GOOD, "best_of": 2}, 400, "best_of"),
     ("stream_options without stream", "completions", {**GOOD, "stream_options": {"include_usage": True}},
      400, "stream_options"),
     ("top_logprobs without logprobs", "chat/completions",
@@ -171,7 +174,10 @@ def test_null_parameters_take_their_defaults(client):
     """The openai client sends a parameter set to None as null; OpenAI reads it as the default."""
     nulls = dict(temperature=None, top_p=None, n=None, seed=None, stop=None, presence_penalty=None,
                  frequency_penalty=None, stream_options=None)
-    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=None, **nulls)
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=None, best_of=None, **nulls)
+    assert len(out.choices) == 1 and out.usage.completion_tokens == 2
+    # and the no-op values clients send by default (LangChain: best_of 1, logit_bias {})
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=1, logit_bias={})
     assert len(out.choices) == 1 and out.usage.completion_tokens == 2
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=None, max_completion_tokens=2, logprobs=None,
