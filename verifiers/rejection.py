@@ -64,9 +64,10 @@ class RejectionVerifier:
     @staticmethod
     def _walk(tree: DraftTree, probs: Tensor, u: Tensor, draws: Tensor) -> Verdict:
         """The rule over ``probs`` [B, N, V] with coin ``u[b, x]`` for child x, and ``draws[b, d]``
-        [B, D + 1] for a bonus after depth d. Each iteration every request tries one child: the first child of the
-        node it just accepted, or the next sibling of the child it just rejected. A child is
-        tried at most once, so N - 1 iterations finish every walk, or ``tree.max_tries`` of them."""
+        [B, D + 1] for a bonus after depth d. Each iteration every request tries one child: the
+        first child of the node it just accepted, or the next sibling of the child it just
+        rejected. A child is tried at most once, so N - 1 iterations finish every walk, or
+        ``tree.max_tries`` of them."""
         (b, n, _), dev = probs.shape, probs.device
         # (one copy of what lies on the host, no wait; a host drafter's q [B, N, V] with it)
         tokens, parents, valid, sampled, depth, draft = to_device(

@@ -88,8 +88,9 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
     plan = {}
     for values in itertools.product(*run_axes.values()):
         name = point_name(run_axes, values)
+        point = [f"{k}={v}" for k, v in zip(run_axes, values)]  # overrides after the command line's
         try:
-            cfg, pipelines = load_experiment(path, [*(overrides or []), *(f"{k}={v}" for k, v in zip(run_axes, values))])
+            cfg, pipelines = load_experiment(path, [*(overrides or []), *point])
         except ConfigError as e:
             raise ConfigError(f"--grid point {name}: {e}") from None
         if not pipelines:
