@@ -128,6 +128,7 @@ class SamplingBatch:
         """[B, n] float64: this step's coin for tree node i, keyed by the root's position and i,
         so no draw and no other step's coin shares it (every node a verifier tests lies at a
         position the step commits)."""
+        assert n < 2**24 - 1, "more coins than counter_uniforms' streams"
         streams = 1 + np.arange(n, dtype=np.uint64)
         return to_device([counter_uniforms(self.seeds[:, None], self.positions[:, None], streams)], device)[0]
 
@@ -191,7 +192,9 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         top = probs.topk(min(int(k.max()), v)).values                                # [B, N, max k]
         kth = top.gather(-1, (top_k.clamp(1, top.shape[-1]) - 1).expand(b, n, 1))   # [B, N, 1]
         probs = probs.masked_fill((top_k > 0) & (probs < kth), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        # (only the rows cut: a row's bits must not depend on its batch-mates, or a seeded draw
+        # could differ between plain and speculative decoding)
+        probs = torch.where(top_k > 0, probs / probs.sum(-1, keepdim=True), probs)
     if bool((sampling.top_p[sampled] < 1).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)                        # [B, N, V]
         mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of the tokens sorted before

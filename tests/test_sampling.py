@@ -165,3 +165,13 @@ def test_a_positions_draw_is_the_same_whichever_step_draws_it():
     assert not torch.equal(batch.draws(3, "cpu")[0], batch.draws(3, "cpu")[1])  # another seed: others
     coins, draws = batch.coins(4, "cpu"), batch.draws(3, "cpu")
     assert len(set(coins.flatten().tolist()) | set(draws.flatten().tolist())) == coins.numel() + draws.numel()
+
+
+def test_a_rows_probabilities_do_not_depend_on_its_batch_mates():
+    """(bit for bit: a seeded draw near a CDF step would otherwise differ between batchings)"""
+    for seed in range(40):
+        logits = torch.randn(2, 1, 50, generator=torch.Generator().manual_seed(seed)) * 3
+        alone = target_probs(logits[:1], SamplingBatch.from_params([SamplingParams(temperature=0.8)], [0]))
+        mixed = target_probs(logits, SamplingBatch.from_params([SamplingParams(temperature=0.8),
+                                                                SamplingParams(temperature=0.8, top_k=5)], [0, 1]))
+        assert torch.equal(alone[0], mixed[0]), seed

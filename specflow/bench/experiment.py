@@ -120,7 +120,8 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
     vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
     for i in range(cfg.warmup):
         ids = torch.randint(vocab, (warm_len,), generator=torch.Generator().manual_seed(i)).tolist()
-        engine.generate([ids], dataclasses.replace(params[0], ignore_eos=True))
+        # (a seed no prompt has: requests sharing a seed share their uniforms, see the README)
+        engine.generate([ids], dataclasses.replace(params[0], ignore_eos=True, seed=sampling.seed - 1 - i))
     rows = []
     for batch, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False)):
         chunk = slice(start, start + batch_size)
