@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from specflow import SpecEngine
 from specflow.serve import build_app
+from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.serve.conftest import API_KEY, KV_CACHE_TOKENS, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
@@ -25,6 +26,9 @@ GOOD = {"model": MODEL, "prompt": "def main():", "max_tokens": 8, "temperature":
 BAD = [
     ("malformed json", "completions", b'{"model": "tiny-chat", "prompt": "x", "max_tok', 400, "not valid JSON"),
     ("body not an object", "completions", [1, 2], 400, "must be a JSON object"),
+    ("empty body", "completions", b"", 400, "must be a JSON object"),
+    ("body in no Unicode encoding", "completions", b'{"model": "\xff\xfe\xfd"}', 400, "not valid JSON"),
+    ("nesting past the stack", "completions", b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
     ("wrong type temperature", "completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("wrong type max_tokens", "completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
     ("wrong type stream", "completions", {**GOOD, "stream": "yes"}, 400, "stream"),
@@ -87,10 +91,10 @@ BAD = [
 ]
 
 
-def post(url: str, endpoint: str, body) -> httpx.Response:
+def post(url: str, endpoint: str, body, content_type: str = "application/json") -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{url}/v1/{endpoint}", content=content, timeout=120,
-                      headers={**AUTH, "Content-Type": "application/json"})
+                      headers={**AUTH, "Content-Type": content_type})
 
 
 def test_models_health_metrics(client, server):
@@ -125,6 +129,14 @@ def test_bad_inputs_are_openai_errors_while_a_good_request_is_served(server):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "application/jsonl"])
+def test_a_body_must_be_sent_as_json(server, content_type):
+    response = post(server.url, "completions", GOOD, content_type)
+    assert response.status_code == 400 and "must be a JSON object" in response.json()["error"]["message"]
+    assert post(server.url, "completions", GOOD, "application/json; charset=utf-8").status_code == 200
+    assert post(server.url, "completions", GOOD, "application/vnd.api+json").status_code == 200
+
+
 def test_chunked_body_over_the_limit_is_413(server):
     """A body without Content-Length is cut off once the bytes read pass the limit."""
     chunks = (b"x" * 2**16 for _ in range(MAX_REQUEST_BYTES // 2**16 + 1))
@@ -134,9 +146,10 @@ def test_chunked_body_over_the_limit_is_413(server):
     assert response.status_code == 413 and "limits.max_request_bytes" in response.json()["error"]["message"]
 
 
-def test_tokenizing_runs_off_the_event_loop(chat_target, monkeypatch):
-    """Tokenizing a prompt and rendering a chat run on worker threads: on the event loop, a long
-    prompt would stall every stream for as long as it takes. (In process, over the real app.)"""
+def test_parsing_and_tokenizing_run_off_the_event_loop(chat_target, monkeypatch):
+    """Decoding and validating a body, tokenizing a prompt and rendering a chat run on worker
+    threads: on the event loop, a body of many MB would stall every stream for as long as they
+    take. (In process, over the real app.)"""
     engine = SpecEngine(chat_target)
     calls = []  # (function, whether an event loop runs in the calling thread)
 
@@ -152,12 +165,14 @@ def test_tokenizing_runs_off_the_event_loop(chat_target, monkeypatch):
 
     monkeypatch.setattr(engine, "encode", recorded(engine.encode))
     monkeypatch.setattr(engine.tokenizer, "apply_chat_template", recorded(engine.tokenizer.apply_chat_template))
+    for request_type in (CompletionRequest, ChatCompletionRequest):
+        monkeypatch.setattr(request_type, "model_validate", recorded(request_type.model_validate))
     with TestClient(build_app(engine, MODEL)) as client:
         for endpoint, body in (("completions", {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 2}),
                                ("chat/completions", {"model": MODEL, "max_tokens": 2,
                                                      "messages": [{"role": "user", "content": "x"}]})):
             assert client.post(f"/v1/{endpoint}", json=body).status_code == 200
-    assert {name for name, _ in calls} == {"encode", "apply_chat_template"}
+    assert {name for name, _ in calls} == {"model_validate", "encode", "apply_chat_template"}
     assert not any(on_loop for _, on_loop in calls), calls
 
 
