@@ -72,7 +72,9 @@ class OpenAIServing:
         engine = loop.engine
         # a request's context: the model's, or the KV cache's when that holds fewer tokens (as vLLM's
         # max_model_len); /v1/models reports it and max_tokens defaults to its rest
-        self.context_len = min(engine.model.config.max_position_embeddings, engine.scheduler.max_request_tokens())
+        max_position, kv_tokens = engine.model.config.max_position_embeddings, engine.scheduler.max_request_tokens()
+        self.context_len = min(max_position, kv_tokens)
+        self._context_holder = "the KV cache" if kv_tokens < max_position else "the model"
         # a text longer than this cannot fit the context, whatever it tokenizes to (x 4: a normalizer
         # may shrink it): refused before tokenizing, which costs seconds a megabyte
         self.longest_token = max(map(len, self.tokenizer.get_vocab()))
@@ -86,6 +88,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompts = await self._prompt_ids(body)
+        for ids in prompts:
+            self._check_context(ids, body.max_new_tokens, "prompt", "max_tokens")
         choices = [(ids, self._params(body, body.max_new_tokens, body.logprobs, i))
                    for ids in prompts for i in range(body.n)]
         sub = await self._submit(choices, "prompt")
@@ -119,6 +123,8 @@ class OpenAIServing:
         self._check_num_sequences(1, body.n)
         ids = await asyncio.to_thread(self._render_chat, body)
         max_tokens = body.max_new_tokens or max(1, self.context_len - len(ids))
+        self._check_context(ids, max_tokens, "messages",
+                            "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         sub = await self._submit([(ids, self._params(body, max_tokens, top_n, i)) for i in range(body.n)],
                                  "messages")
@@ -205,6 +211,16 @@ class OpenAIServing:
                                 f"{type(e).__name__}: {e}", param="messages") from None
         self._check_text(text, "messages")   # (tools' strings reach the text too)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+
+    def _check_context(self, ids: list[int], max_tokens: int, prompt_param: str, tokens_param: str) -> None:
+        """400 (OpenAI's context_length_exceeded) unless the prompt and ``max_tokens`` fit the
+        context, naming the prompt when it leaves no room for a token, else ``tokens_param``."""
+        if len(ids) + max_tokens <= self.context_len:
+            return
+        raise ApiError(400, f"{prompt_param} ({len(ids)} tokens) + {tokens_param} ({max_tokens}) exceeds this "
+                            f"server's context length ({self.context_len} tokens, what {self._context_holder} holds)",
+                       param=prompt_param if len(ids) >= self.context_len else tokens_param,
+                       code="context_length_exceeded")
 
     def _check_text(self, text: str, param: str) -> None:
         """400 unless ``text`` is short enough that its tokens could fit the context, and valid

@@ -185,6 +185,24 @@ def test_openai_client_raises_typed_errors(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=9999)
 
 
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completions", {"prompt": [7] * (KV_CACHE_TOKENS + 1)}, "prompt"),
+    ("completions", {"prompt": [7] * 10, "max_tokens": KV_CACHE_TOKENS}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "x " * KV_CACHE_TOKENS}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": KV_CACHE_TOKENS}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": KV_CACHE_TOKENS},
+     "max_completion_tokens"),
+])
+def test_a_request_past_the_context_names_what_to_shorten(client, endpoint, body, param):
+    """The context is the KV cache's here (KV_CACHE_TOKENS): the prompt is blamed when it leaves
+    no room for a token, else the token limit that asks for too many."""
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model=MODEL, **body)
+    assert e.value.body["param"] == param and e.value.body["code"] == "context_length_exceeded"
+    assert f"context length ({KV_CACHE_TOKENS} tokens, what the KV cache holds)" in e.value.body["message"]
+
+
 def test_null_parameters_take_their_defaults(client):
     """The openai client sends a parameter set to None as null; OpenAI reads it as the default."""
     nulls = dict(temperature=None, top_p=None, n=None, seed=None, stop=None, presence_penalty=None,
