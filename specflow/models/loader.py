@@ -108,7 +108,7 @@ def _generation_eos(path: Path) -> list[int]:
 
 def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str, Tensor]]:
     """Yield (name, tensor) from whichever weight layout the directory uses, shard by shard
-    (safetensors straight onto ``device``, .bin files memory-mapped on the CPU)."""
+    (safetensors straight onto ``device``, .bin files memory-mapped on the CPU where their format allows)."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = path / index_name
@@ -143,12 +143,19 @@ def read_weights(file: Path, device: str | torch.device) -> Iterator[tuple[str, 
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        else:
-            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+        else:  # mmap needs torch.save's zip format; the legacy (pre-1.6) format is read into memory
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=_is_zip(file)).items()
     except torch.OutOfMemoryError:
         raise
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError) as e:
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError,
+            KeyError, IndexError, ValueError) as e:  # (the legacy unpickler's errors on a non-weight file)
         raise CheckpointError(f"{file} cannot be read (truncated, or not a weight file?): {e}") from None
+
+
+def _is_zip(file: Path) -> bool:
+    """Whether ``file`` starts as a zip archive (torch.save's format since 1.6; what torch.load checks)."""
+    with open(file, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def save_model(model: LlamaForCausalLM, path: str | Path) -> None:

@@ -184,3 +184,10 @@ def test_save_writes_the_layout_it_loads(tmp_path, target):
     save_medusa(medusa, tmp_path / "m2")
     assert set(load_file(tmp_path / "m2" / "medusa_lm_head.safetensors")) == set(medusa_state(64, 320, 2))
     assert json.loads((tmp_path / "m2" / "config.json").read_text())["medusa_num_heads"] == 2
+
+
+def test_medusa_head_in_the_legacy_torch_save_format_loads(tmp_path, target):
+    state = medusa_state(64, 320, num_heads=2, seed=4)
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    torch.save(state, tmp_path / "medusa_lm_head.pt", _use_new_zipfile_serialization=False)
+    assert all(torch.equal(a, state[k]) for k, a in load_medusa(tmp_path, target).state_dict().items())

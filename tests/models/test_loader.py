@@ -207,3 +207,12 @@ def test_save_model_of_a_freshly_built_model(tmp_path):
     assert hf.config.eos_token_id == [2, 3]
     for ours, ref in zip(runner_logits(model), hf_logits(hf)):
         assert_close(ours, ref)
+
+
+def test_legacy_torch_save_format_loads(tiny_checkpoint):
+    """A pytorch_model.bin in torch.save's pre-1.6 (non-zip) format, which torch.load and transformers
+    read, loads too (it cannot be memory-mapped)."""
+    hf, path = tiny_checkpoint("llama")
+    (path / "model.safetensors").unlink()
+    torch.save(dict(hf.state_dict()), path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert_same_weights(load_model(path), hf)
