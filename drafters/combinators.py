@@ -43,6 +43,7 @@ class DrafterGroup:
             raise ValueError(f"{kind} drafter needs at least one drafter in `drafters`, "
                              f"e.g. drafters: [{{type: ngram}}, {{type: ngram, scope: global}}]")
         self.drafters = drafters
+        self.learns_across_requests = any(getattr(d, "learns_across_requests", False) for d in drafters)
         taps = dict.fromkeys(t for d in drafters for t in d.needs.layer_taps)  # ordered set
         self.needs = TargetNeeds(last_hidden=any(d.needs.last_hidden for d in drafters),
                                  layer_taps=tuple(taps))

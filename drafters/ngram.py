@@ -216,6 +216,7 @@ class NgramDrafter:
             if not ok:
                 raise ValueError(f"ngram drafter: {message}")
         self.min_window, self.max_window, self.scope = min_window, max_window, scope
+        self.learns_across_requests = scope == "global"   # (see protocols.Drafter)
         self.vocab_size = vocab_size
         self.trie = SuffixTrie(branch_length, capacity) if scope == "global" else None
         self._indexes: dict[int, NgramIndex] = {}  # request scope: per-request tables

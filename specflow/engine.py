@@ -124,6 +124,8 @@ class SpecEngine:
         self.drafter = self.pipeline.drafter
         self.tree_builder = self.pipeline.tree
         self.verifier = self.pipeline.verifier
+        # a drafter that learns across requests salts coin walks apart per request (SamplingBatch.coin_walk)
+        self._salted = bool(getattr(self.drafter, "learns_across_requests", False))
         num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
         if cuda_graphs:
             self.runner.enable_graphs(max_batch_size, num_draft_tokens)
@@ -379,7 +381,8 @@ class SpecEngine:
         """The batch's sampling, each row drawing the token after its sequence (and after its
         token in flight, where ``ahead``)."""
         positions = [r.seq_len + a for r, a in zip(batch, ahead or [0] * len(batch))]
-        return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions)
+        salts = [r.id + 1 for r in batch] if self._salted else None
+        return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions, salts)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import numbers
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -85,7 +85,8 @@ class TokenLogprob:
 @dataclass
 class SamplingBatch:
     """Per-request sampling parameters of a batch as tensors, with each request's seed and the
-    sequence position of the token it draws next: the keys of its counter-based uniforms."""
+    sequence position of the token it draws next: the keys of its counter-based uniforms (and a
+    salt that keys a coin walk's apart, ``coin_walk``)."""
 
     temperature: Tensor   # [B] float
     top_k: Tensor         # [B] long, -1 = off
@@ -93,9 +94,11 @@ class SamplingBatch:
     min_p: Tensor         # [B] float
     seeds: np.ndarray     # [B] uint64
     positions: np.ndarray  # [B] int64: the index in its sequence of the token each row draws next
+    salts: np.ndarray      # [B] uint64: 0, or what keys the row's coin walks apart from its seed's
 
     @staticmethod
-    def from_params(params: list[SamplingParams], seeds: list[int], positions: list[int] | None = None) -> "SamplingBatch":
+    def from_params(params: list[SamplingParams], seeds: list[int], positions: list[int] | None = None,
+                    salts: list[int] | None = None) -> "SamplingBatch":
         floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32).reshape(-1, 3)
         floats[:, 1] = np.maximum(floats[:, 1], np.finfo(np.float32).tiny)  # a top_p rounding to 0 keeps the top token
         floats = torch.from_numpy(floats)                                                 # [B, 3]
@@ -106,6 +109,7 @@ class SamplingBatch:
             min_p=floats[:, 2],
             seeds=np.array([s % 2**64 for s in seeds], dtype=np.uint64),
             positions=np.zeros(len(params), dtype=np.int64) if positions is None else np.array(positions, dtype=np.int64),
+            salts=np.zeros(len(params), dtype=np.uint64) if salts is None else np.array(salts, dtype=np.uint64),
         )
 
     @property
@@ -114,7 +118,7 @@ class SamplingBatch:
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                             self.min_p[rows], self.seeds[rows], self.positions[rows])
+                             self.min_p[rows], self.seeds[rows], self.positions[rows], self.salts[rows])
 
     def draws(self, depth: int, device: torch.device) -> Tensor:
         """[B, depth + 1] float64: row b's uniform for the target's own draw of the token at
@@ -131,6 +135,19 @@ class SamplingBatch:
         assert n < 2**24 - 1, "more coins than counter_uniforms' streams"
         streams = 1 + np.arange(n, dtype=np.uint64)
         return to_device([counter_uniforms(self.seeds[:, None], self.positions[:, None], streams)], device)[0]
+
+    def coin_walk(self) -> "SamplingBatch":
+        """The batch whose ``coins`` and ``draws`` a walk that tests drafts with coins uses
+        (rejection over sampled drafts, threshold): a salted row's seed is mixed with its salt.
+        The engine salts every request when its drafter learns across requests (an n-gram trie
+        shared by all): such a drafter can draft a token another request of the same seed drew
+        with the very uniforms this walk would test it with, which biases the walk. An exact-match
+        walk takes no salt: its output is its draws' alone, whatever the drafts."""
+        if not self.salts.any():
+            return self
+        with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64 by design
+            salted = _mix64(_mix64(self.seeds + np.uint64(1)) ^ (self.salts * _GOLDEN))
+        return replace(self, seeds=np.where(self.salts == 0, self.seeds, salted), salts=np.zeros_like(self.salts))
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

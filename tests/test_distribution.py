@@ -128,6 +128,30 @@ def test_rows_whose_trees_fit_still_draft_beside_those_that_do_not(small_vocab):
     assert asked and set(asked) == {(1, 2)}
 
 
+SHARED_NGRAM = {"type": "ngram", "scope": "global", "max_window": 4}
+
+
+@pytest.mark.parametrize("tree, verifier", [
+    (SAMPLED_STATIC, {"type": "rejection"}),
+    (CASES["threshold-1-1-eagle2"][0], {"type": "threshold"}),
+])
+def test_requests_of_one_seed_stay_lossless_with_a_drafter_shared_between_them(small_vocab, tree, verifier):
+    """A trie shared by all requests drafts each of 36 prompts (distinct tails, so a window finds
+    its own prompt's history) the tokens that an earlier request of the same seed drew with the
+    uniforms of this request's coin walk; the walk must key its coins and draws apart (salts:
+    unsalted, chi-square p ~ 1e-14 for rejection and 1e-24 for threshold over these 2160 pairs)."""
+    model = load_model(small_vocab[0])
+    prompts = [REPEATING + list(tail) for tail in itertools.product(range(V), repeat=2)]
+    counts = torch.zeros(V ** NEW)
+    for r in range(60):  # a fresh trie for every round of 36 pairs
+        engine = SpecEngine(model, SHARED_NGRAM, tree, verifier, kv_cache_tokens=4096, max_batch_size=64)
+        params = [SamplingParams(seed=r * len(prompts) + i, **PARAMS) for i in range(len(prompts))]
+        engine.generate(prompts, params)   # the earlier requests, feeding the trie
+        for o in engine.generate(prompts, params):
+            counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
+    assert_same_distribution(counts, sum(exact_joint(model, prompt) for prompt in prompts))
+
+
 def test_the_check_detects_a_lossy_verifier(small_vocab):
     target, draft = small_vocab
     model = load_model(target)

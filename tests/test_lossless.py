@@ -74,11 +74,12 @@ def sampled_baseline(model):
 
 @pytest.mark.parametrize("verifier", ["greedy", "rejection"])  # rejection: top-k drafts, so exact match
 @pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "self_draft", "fallback"])
+@pytest.mark.parametrize("drafter", ["ngram", "ngram_global", "draft_model", "self_draft", "fallback"])
 def test_seeded_sampling_equals_plain_decoding_with_exact_match(model, tiny_target, tiny_draft, sampled_baseline,
                                                                 drafter, tree, verifier):
     """Exact match draws each token with the uniform of its position (SamplingBatch.draws), as
-    plain decoding does: the same seed gives the same tokens, whatever the drafts."""
+    plain decoding does: the same seed gives the same tokens, whatever the drafts (a drafter
+    shared between requests salts coin walks only)."""
     engine = SpecEngine(model, drafters(tiny_target, tiny_draft)[drafter], TREES[tree], VERIFIERS[verifier],
                         kv_cache_tokens=2048)
     outs = engine.generate(PROMPTS, SAMPLED)

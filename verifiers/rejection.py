@@ -43,7 +43,7 @@ class RejectionVerifier:
     iteration (``_walk``). Both run on the device with nothing read back. Uniforms: a top-k
     node's draw is the one of the position it fills (``SamplingBatch.draws``); a sampled child's
     coin is the step's coin for that node (``SamplingBatch.coins``), and the bonus the draw of
-    its position.
+    its position, both of ``SamplingBatch.coin_walk``.
     """
 
     lossless = True
@@ -58,8 +58,9 @@ class RejectionVerifier:
         if tree.draft_probs is None or bool(sampling.greedy.all()):
             return exact_match(tree, target_logits, sampling)
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
-        return self._walk(tree, probs, sampling.coins(tree.num_nodes, probs.device),
-                          sampling.draws(tree.depth_bound(), probs.device))
+        walk = sampling.coin_walk()
+        return self._walk(tree, probs, walk.coins(tree.num_nodes, probs.device),
+                          walk.draws(tree.depth_bound(), probs.device))
 
     @staticmethod
     def _walk(tree: DraftTree, probs: Tensor, u: Tensor, draws: Tensor) -> Verdict:

@@ -54,6 +54,7 @@ class ThresholdVerifier:
     def verify(self, tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch) -> Verdict:
         probs = target_probs(target_logits, sampling)  # [B, N, V], greedy rows one-hot
         (b, n, v), dev = probs.shape, probs.device
+        sampling = sampling.coin_walk()
         tokens, parents, valid = to_device([tree.tokens, tree.parents.clamp(min=0), tree.valid], dev)
         idx = torch.arange(n, device=dev)
         u = sampling.coins(n, dev)  # [B, N]: a coin at every node

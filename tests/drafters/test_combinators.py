@@ -181,3 +181,6 @@ def test_config_errors(kind):
                             vocab_size=V)
     assert [d.scope for d in built.drafters] == ["request", "global"]
     assert all(d.vocab_size == V for d in built.drafters)
+    # the shared trie's requests get salted coin walks (SamplingBatch.coin_walk), combined or not
+    assert built.learns_across_requests and not build_component(DRAFTERS, {"type": kind, "drafters": ["ngram"]})\
+        .learns_across_requests
