@@ -127,7 +127,7 @@ def format_row(r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--config", type=Path, default=Path(__file__).parents[1] / "configs" / "serve.yaml")
     parser.add_argument("--target", default=None,
                         help="checkpoint directory, or 'random' (default: the config's own target)")

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specflow.registry import Registry
+from specflow.registry import Registry, RegistryError, load_plugins
 
 
 class ConfigError(ValueError):
@@ -103,6 +103,10 @@ def component_config(registry: Registry, node: Any, where: str) -> tuple[type, A
                           f"known types: {', '.join(registry.names())}")
     params = dict(node)
     name = params.pop("type")
+    try:
+        load_plugins()   # a shadowed built-in package is not this node's fault: no '<where>.type' prefix
+    except RegistryError as e:
+        raise ConfigError(e.args[0]) from None
     try:
         cls, config_cls = registry.get(name)
     except KeyError as e:

@@ -52,6 +52,15 @@ def test_a_module_shadowing_a_builtin_package_is_named(tmp_path):
         """, cwd=tmp_path)
     assert run.returncode != 0
     assert f"'drafters' was imported from {tmp_path / 'drafters.py'}" in run.stderr and "rename it" in run.stderr
+    # through a config node: the node is not at fault, so its key does not prefix the message
+    run = python("""
+        import sys
+        sys.path.insert(0, "")
+        from specflow.config import build_component
+        from specflow.registry import TREE_BUILDERS
+        build_component(TREE_BUILDERS, {"type": "chain"}, where="tree")
+        """, cwd=tmp_path)
+    assert "ConfigError: 'drafters' was imported from" in run.stderr, run.stderr
 
 
 def test_the_cli_loads_plugins_before_the_command(tmp_path):

@@ -94,6 +94,8 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     e = cfg.engine
     check_runtime(e.backend, e.page_size, e.kv_cache_tokens, cfg.batch_size, e.spec_max_batch_size)
     resolve_device(e.device, e.dtype)
+    if not Path(e.target).is_dir():
+        raise ConfigError(f"engine.target: {e.target} is not a directory; point it to a Hugging Face checkpoint")
     try:
         sampling_params(cfg.sampling, 0)
     except ValueError as e:

@@ -35,6 +35,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """
     path = Path(path)
     config_file = path / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; point to a Hugging Face checkpoint directory")
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; point to a Hugging Face checkpoint directory")
     hf = read_json(config_file)

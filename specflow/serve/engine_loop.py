@@ -144,7 +144,7 @@ class EngineLoop:
             if running and self.engine.has_unfinished():
                 self._step()
             self._update_gauges()
-        log.info("engine loop stopped; %d unfinished requests cancelled", len(self._streams))
+        log.info("engine loop stopped; %d requests still unfinished were cancelled", len(self._streams))
         self._abort(list(self._streams))
         self._update_gauges()
 

@@ -257,6 +257,11 @@ def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
     verifier: {type: greedy}""")
     assert main(["run", str(path)]) == 2
     assert "unknown key 'max_windw'; valid keys: min_window, max_window" in capsys.readouterr().err
+    path = write_config(tmp_path, tmp_path / "nowhere", """
+  - name: pld
+    drafter: {type: ngram}""")
+    assert main(["run", str(path)]) == 2
+    assert f"engine.target: {tmp_path / 'nowhere'} is not a directory" in capsys.readouterr().err
 
 
 def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_target, capsys):

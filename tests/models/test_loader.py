@@ -176,6 +176,8 @@ def test_unsupported_model_type_names_it_and_the_supported_ones(tiny_checkpoint)
 
 
 def test_directory_without_config_or_weights(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere does not exist"):
+        load_model(tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="no config.json"):
         load_model(tmp_path)
     _, path = tiny_checkpoint("llama")
