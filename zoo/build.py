@@ -27,6 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ["tokenizer", "target", "draft", "eagle", "eagle3", "medusa", "prompts", "eval", "report"]
 TRAINED = ["target", "draft", "eagle", "eagle3", "medusa"]
 VOCAB_SIZE = 2048
+# A chat rendered as Python comments (the family is trained on code), with tools and tool calls in
+# the Hermes form the server parses: enough for /v1/chat/completions and tool use to run on it.
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '# tools: ' + (tools | tojson) + '\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}{{ '# tool [' + m['tool_call_id'] + ']: ' + m['content'] + '\\n' }}"
+    "{%- else %}{{ '# ' + m['role'] + ': ' + (m['content'] or '') }}"
+    "{%- if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
+    "{{ '<tool_call>' + ({'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{% endif %}{{ '\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}")
 
 
 def stage_tokenizer(out: Path, record: dict) -> None:
@@ -39,6 +51,8 @@ def stage_tokenizer(out: Path, record: dict) -> None:
     corpus = load_corpus(cfg.data)
     start = time.time()
     tok = train_bpe_tokenizer(out / "target", VOCAB_SIZE, corpus.train_files)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out / "target"))
     (out / "corpus.json").write_text(json.dumps(corpus.manifest(), indent=1) + "\n")
     record["tokenizer"] = {"vocab_size": len(tok), "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id,
                            "wall_s": round(time.time() - start, 1)}

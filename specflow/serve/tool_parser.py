@@ -45,8 +45,8 @@ class ParsedText:
 
 def parse_tool_call(body: str) -> ToolCall | None:
     """The call in one block's body (between the tags), or None when it holds none. ``arguments``
-    is re-serialised compactly, non-ASCII characters kept; the id is ``call_`` + 24 random hex
-    digits."""
+    is re-serialised with ``json.dumps``' default separators (as vLLM's hermes parser does),
+    non-ASCII characters kept; the id is ``call_`` + 24 random hex digits."""
     try:
         call = json.loads(body)
     except ValueError:

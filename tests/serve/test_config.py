@@ -40,3 +40,37 @@ def test_overrides_and_typos():
         load_serve_config(SERVE_YAML, ["engine.spec_max_batch=4"])
     with pytest.raises(ConfigError, match="unknown key 'port'"):
         load_serve_config(SERVE_YAML, ["port=80"])
+
+
+def test_the_shipped_model_renders_chats_and_tool_calls_the_server_parses():
+    """zoo/tiny-code's tokenizer has a chat template (a chat as Python comments, for a code model)
+    that renders tools, an assistant's tool call in the Hermes form the server parses, and the
+    tool's result; the chat endpoint serves it."""
+    from fastapi.testclient import TestClient
+
+    from specflow import SpecEngine
+    from specflow.serve import build_app
+    from specflow.serve.tool_parser import parse_tool_calls
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "Add 1 and 2."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    engine = SpecEngine(SERVE_YAML.parents[1] / "zoo" / "tiny-code" / "target", {"type": "ngram"}, {"type": "chain"},
+                        device="cpu", dtype="float32", kv_cache_tokens=1024)
+    with TestClient(build_app(engine, "tiny-code")) as client:
+        response = client.post("/v1/chat/completions", json={
+            "model": "tiny-code", "messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200, response.text
+    # the server passes arguments to the template as a mapping, as transformers and vLLM do
+    rendered = engine.tokenizer.apply_chat_template(
+        [*messages[:1], {**messages[1], "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+         messages[2]], tools=tools, tokenize=False, add_generation_prompt=True)
+    lines = rendered.split("\n")
+    assert lines[0] == '# tools: [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]'
+    assert lines[1:] == ["# user: Add 1 and 2.", '# assistant: <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+                         "</tool_call>", "# tool [call_1]: 3", "# assistant:", ""]
+    parsed = parse_tool_calls(lines[2].removeprefix("# assistant: "))
+    assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [("add", '{"a": 1, "b": 2}')]
+    assert response.json()["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(rendered, add_special_tokens=False))
