@@ -1,4 +1,4 @@
-"""A plain-decoding server on the checkpoint as shipped (no chat template): the clear chat error,
+"""A plain-decoding server on a checkpoint without a chat template: the clear chat error,
 then a SIGINT with requests in flight: short ones finish, a long one ends with what it has
 (``finish_reason: "abort"``), the stream closes with ``[DONE]``, and the process exits with 0."""
 
