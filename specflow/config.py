@@ -139,6 +139,7 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
         key, eq, _ = override.partition("=")
         if not eq or not key:
             raise ConfigError(f"override '{override}' must look like key=value")
+        _check_indices(cfg, key, override)
         try:  # (update, not merge: a key may index a list, as in pipelines.0.tree.depth=3)
             value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)  # the value parsed as YAML
             parent, _, last = key.rpartition(".")
@@ -150,6 +151,21 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             raise ConfigError(f"override '{override}': {str(e).splitlines()[0]}") from None
     return cfg
+
+
+def _check_indices(cfg: DictConfig, key: str, override: str) -> None:
+    """An override's key that indexes past a list names the list and its indices."""
+    node, parts = cfg, key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, DictConfig):
+            node = node.get(part)
+        elif isinstance(node, ListConfig) and part.lstrip("-").isdigit():
+            if not -len(node) <= int(part) < len(node):
+                raise ConfigError(f"override '{override}': {'.'.join(parts[:i])} has {len(node)} items "
+                                  f"(indices 0 to {len(node) - 1})")
+            node = node[int(part)]
+        else:
+            return
 
 
 def _switches_type(node: Any, new_type: Any) -> bool:

@@ -94,8 +94,6 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     e = cfg.engine
     check_runtime(e.backend, e.page_size, e.kv_cache_tokens, cfg.batch_size, e.spec_max_batch_size)
     resolve_device(e.device, e.dtype)
-    if not Path(e.target).is_dir():
-        raise ConfigError(f"engine.target: {e.target} is not a directory; point it to a Hugging Face checkpoint")
     try:
         sampling_params(cfg.sampling, 0)
     except ValueError as e:
@@ -225,6 +223,9 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
 
     A pipeline that raises is recorded as ``{"error": ...}`` (traceback on stderr) and the others
     still run. ``rank`` (sweep) names the fastest finished pipeline ``best``."""
+    if not Path(cfg.engine.target).is_dir():
+        raise ConfigError(f"engine.target: {cfg.engine.target} is not a directory; point it to a Hugging Face "
+                          "checkpoint")
     out_dir = Path(cfg.output_dir) / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl"):  # a previous run's
