@@ -40,6 +40,12 @@ class OptimConfig:
     def __post_init__(self):
         check_at_least(self, 0, "warmup_steps")
         check_at_least(self, 1, "batch_size")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {list(self.betas)}")
 
 
 @dataclass
@@ -50,7 +56,8 @@ class TrainerConfig:
     ``checkpoint_every_n_steps`` saves the whole training state (weights, optimiser, schedule,
     step) to ``<log_dir>/checkpoints/last.ckpt`` every that many steps and when training stops;
     ``resume`` (``last``: that file, or a ``.ckpt`` path) continues a run from one, up to this
-    config's ``max_steps`` (a resume mid-epoch starts that epoch's data order afresh).
+    config's ``max_steps``, continuing the data order (mid-epoch included) and the RNG state: on one
+    process it ends with the weights of a run never stopped.
     """
 
     accelerator: str = "auto"
@@ -109,11 +116,14 @@ class Recipe(Protocol):
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Validate a training YAML (+ ``key=value`` overrides); the recipe node against its recipe."""
     cfg = validate(TrainConfig, load_yaml(path, overrides), "train")
-    _, recipe = component_config(RECIPES, cfg.recipe, "train.recipe")   # fail now, not after training
+    recipe_cls, recipe = component_config(RECIPES, cfg.recipe, "train.recipe")   # fail now, not after training
     try:
         resolve_dtype(getattr(recipe, "save_dtype", "auto"), {})
     except ValueError as e:
         raise ConfigError(f"train.recipe.save_dtype: {e}") from None
     if cfg.target is not None and not (Path(cfg.target) / "config.json").exists():
         raise ConfigError(f"train.target: {cfg.target} is not a checkpoint directory (no config.json)")
+    check_recipe = getattr(recipe_cls, "check", None)
+    if check_recipe is not None:   # settings that only the target and the data can judge
+        check_recipe(recipe, cfg)
     return cfg

@@ -22,7 +22,7 @@ from specflow.config import ConfigError, check_at_least
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.eagle import new_head_config
 from specflow.models.eagle3 import Eagle3Head, save_eagle3
-from specflow.models.loader import resolve_dtype
+from specflow.models.loader import read_json, resolve_dtype
 from specflow.train.attention import UnrolledAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import count_params, head_data, target_pass
@@ -42,6 +42,8 @@ class Eagle3RecipeConfig:
 
     def __post_init__(self):
         check_at_least(self, 1, "draft_vocab_size", "unroll")
+        if not self.decay > 0:
+            raise ValueError(f"decay must be > 0 (step k's loss weight is decay ** k), got {self.decay}")
 
 
 def draft_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:
@@ -117,6 +119,19 @@ class Eagle3Recipe:
     @classmethod
     def from_config(cls, cfg: Eagle3RecipeConfig, **_) -> "Eagle3Recipe":
         return cls(cfg)
+
+    @staticmethod
+    def check(cfg: Eagle3RecipeConfig, run: TrainConfig) -> None:
+        """Fail before the target, the corpus and any generation load: settings out of range."""
+        if cfg.unroll >= run.data.seq_len:
+            raise ConfigError(f"train.recipe.unroll: {cfg.unroll} steps need sequences longer than that; "
+                              f"set recipe.unroll below data.seq_len ({run.data.seq_len})")
+        if run.target is not None and cfg.draft_vocab_size is not None:
+            hf = read_json(Path(run.target) / "config.json")
+            vocab = (hf.get("text_config") or hf).get("vocab_size")
+            if vocab is not None and cfg.draft_vocab_size > vocab:
+                raise ConfigError(f"train.recipe.draft_vocab_size: {cfg.draft_vocab_size} is more than the "
+                                  f"target's vocabulary ({vocab} tokens); use 1..{vocab} (or null: all of it)")
 
     def setup(self, run: TrainConfig) -> TrainJob:
         data = head_data(run, "eagle3")

@@ -34,6 +34,8 @@ class MedusaRecipeConfig:
 
     def __post_init__(self):
         check_at_least(self, 1, "num_heads", "num_layers")
+        if not self.decay > 0:
+            raise ValueError(f"decay must be > 0 (head i's loss weight is decay ** i), got {self.decay}")
 
 
 def new_medusa_heads(target: LlamaForCausalLM, num_heads: int, num_layers: int) -> MedusaHeads:

@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, RandomSampler
 
 from specflow.config import ConfigError, build_component, dump_yaml
 from specflow.train.config import RECIPES, TrainConfig
@@ -27,11 +31,6 @@ class TrainResult:
 
 def train(run: TrainConfig) -> TrainResult:
     """Fit the recipe with Lightning, then export the checkpoint and the loss curves."""
-    import lightning as L
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
-
     if run.trainer.num_threads is not None:
         torch.set_num_threads(run.trainer.num_threads)
     L.seed_everything(run.seed, workers=True, verbose=False)
@@ -47,6 +46,8 @@ def train(run: TrainConfig) -> TrainResult:
     earlier = read_rows(metrics) if resume is not None else []   # (Lightning's CSV logger deletes the file)
     callbacks = [] if t.checkpoint_every_n_steps is None else [ModelCheckpoint(
         dirpath=checkpoints, every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=0, save_last=True)]
+    order = DataOrder()   # a resumed run sees the batches (and noise) the uninterrupted run would
+    callbacks.append(order)
     try:  # before the recipe's setup (minutes: the target, the corpus), so a bad setting costs nothing
         trainer = L.Trainer(
             accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
@@ -60,9 +61,12 @@ def train(run: TrainConfig) -> TrainResult:
     except (MisconfigurationException, ValueError, TypeError) as e:
         raise ConfigError(f"train.trainer: {e}") from None
     job = recipe.setup(run)
-    g = torch.Generator().manual_seed(run.seed)
-    train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, shuffle=True,
-                              drop_last=True, generator=g, num_workers=t.num_workers)
+    order.sampler = EpochShuffle(job.train_data, run.seed)
+    order.batch_size = run.optim.batch_size
+    train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, sampler=order.sampler,
+                              drop_last=True, num_workers=t.num_workers,
+                              generator=torch.Generator().manual_seed(run.seed))  # (its worker seed draw
+                              # would otherwise move the global RNG, which a resumed run restores)
     if len(train_loader) == 0:  # Lightning would only warn, and the untrained weights be exported
         raise ConfigError(f"train: {len(job.train_data)} training sequences fill no batch of optim.batch_size="
                           f"{run.optim.batch_size}; lower it, or give more data (data.max_files, data.max_tokens)")
@@ -90,6 +94,60 @@ def train(run: TrainConfig) -> TrainResult:
         if metrics.exists():   # absent when nothing was logged (very short runs)
             plot_losses(metrics, log_dir / "loss.png", run.name)
     return TrainResult(summary, job.module)
+
+
+class EpochShuffle(RandomSampler):
+    """The shuffle ``DataLoader(shuffle=True, generator=manual_seed(seed))`` gives, as a function of
+    (seed, epoch) alone (Lightning calls ``set_epoch``), that can start part-way into an epoch
+    (``skip = (epoch, samples)``, used once): what a resumed run needs to see the same batches."""
+
+    def __init__(self, data, seed: int):
+        super().__init__(data)
+        self.seed, self.epoch = seed, 0
+        self.skip: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epoch + 1):   # epoch e's order is the generator's (e + 1)-th permutation
+            order = torch.randperm(len(self.data_source), generator=g)
+        start = self.skip[1] if self.skip is not None and self.skip[0] == self.epoch else 0
+        self.skip = None
+        yield from order[start:].tolist()
+
+
+class DataOrder(L.Callback):
+    """Keeps in a training checkpoint the position in the data order (epoch, batches done) and the
+    global RNG (EAGLE's feature noise); resuming restores both, so the run continues as if never
+    stopped. Under a multi-process strategy Lightning swaps in its DistributedSampler and only the
+    RNG is kept."""
+
+    def __init__(self):
+        self.sampler: EpochShuffle | None = None
+        self.batch_size = 1
+        self.epoch = self.batches = 0
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        self.epoch, self.batches = trainer.current_epoch, 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.batches += 1   # before ModelCheckpoint (Lightning runs it last) saves this state
+
+    def state_dict(self) -> dict:
+        state = {"epoch": self.epoch, "batches": self.batches, "rng": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batches = state["epoch"], state["batches"]
+        if self.sampler is not None:
+            self.sampler.skip = (self.epoch, self.batches * self.batch_size)
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def read_rows(metrics_csv: Path) -> list[dict]:

@@ -45,6 +45,15 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle", "optim.batch_size=0", "train.optim: batch_size must be >= 1, got 0"),
     ("eagle", "data.seq_len=1", "train.data: seq_len must be >= 2, got 1"),
     ("eagle", "trainer.checkpoint_every_n_steps=0", "train.trainer: checkpoint_every_n_steps must be >= 1, got 0"),
+    # (these failed only once training ran: an IndexError inside AdamW, a bare torch error, a silent
+    # negative loss weight; draft_vocab_size and unroll after the target, the corpus and generation)
+    ("eagle", "optim.betas=[0.9]", r"train.optim: betas must be two numbers in \[0, 1\)"),
+    ("eagle", "optim.lr=-1", "train.optim: lr must be > 0, got -1"),
+    ("eagle3", "recipe.decay=-1", "decay must be > 0"),
+    ("medusa", "recipe.decay=0", "decay must be > 0"),
+    ("eagle3", "recipe.draft_vocab_size=100000", r"train.recipe.draft_vocab_size: 100000 is more than the "
+                                                 r"target's vocabulary \(2048 tokens\); use 1..2048"),
+    ("eagle3", "recipe.unroll=256", r"train.recipe.unroll: .*below data.seq_len \(256\)"),
 ])
 def test_bad_values_fail_when_the_config_loads(config, override, named):
     with pytest.raises(ConfigError, match=named):

@@ -49,3 +49,38 @@ def test_resume_without_a_checkpoint_fails_before_training(tmp_path, tiny_target
     with pytest.raises(ConfigError, match="train.trainer.resume: no checkpoint at .*last.ckpt"):
         train(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_target, monkeypatch):
+    """A run stopped mid-epoch (a crash after a checkpoint) and resumed ends with the weights of a
+    run never stopped: the resumed run sees the same batches (not epoch 0's order again) and the
+    same EAGLE feature noise (the global RNG)."""
+    import lightning as L
+
+    def config(name, **trainer):
+        cfg = tiny_config(tmp_path / name, {"type": "eagle"}, target=tiny_target, steps=8,
+                          data={"max_tokens": 1600},   # 24 sequences: 3 batches an epoch
+                          trainer_extra={"checkpoint_every_n_steps": 4, "limit_val_batches": 0})
+        return resumed(cfg, **trainer)
+
+    train(config("whole"))
+
+    class Crash(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 4:   # epoch 1, after its first batch; step 4's checkpoint is saved
+                raise RuntimeError("interrupted")
+
+    init = L.Trainer.__init__
+    monkeypatch.setattr(L.Trainer, "__init__", lambda self, *a, **kw: init(
+        self, *a, **{**kw, "callbacks": [*kw["callbacks"], Crash()]}))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train(config("split"))
+    monkeypatch.setattr(L.Trainer, "__init__", init)
+    assert torch.load(tmp_path / "split" / "log" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert train(config("split", resume="last")).summary["steps"] == 8
+
+    whole = load_file(tmp_path / "whole" / "out" / "model.safetensors")
+    split = load_file(tmp_path / "split" / "out" / "model.safetensors")
+    assert whole.keys() == split.keys()
+    for k in whole:
+        assert torch.equal(whole[k], split[k]), (k, (whole[k] - split[k]).abs().max())
