@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -277,6 +278,21 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None,
     async def chat(request: Request) -> Response:
         return await serving.chat(await read_body(request, ChatCompletionRequest), request)
 
+    def openapi() -> dict:
+        """FastAPI's schema (``/openapi.json``, ``/docs``) with the request bodies that the
+        generation routes read themselves (``read_body``)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}), **{model.__name__: body})
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

@@ -4,6 +4,7 @@ event loop, the API key, and client disconnects returning their KV pages at once
 
 import asyncio
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -174,6 +175,18 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(chat_target, monkeypatch)
             assert client.post(f"/v1/{endpoint}", json=body).status_code == 200
     assert {name for name, _ in calls} == {"model_validate", "encode", "apply_chat_template"}
     assert not any(on_loop for _, on_loop in calls), calls
+
+
+def test_the_openapi_schema_documents_the_request_bodies(server):
+    """The generation routes read their bodies themselves (off the event loop); /openapi.json
+    still documents them, and every reference in it resolves."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"} and "model" in components[model]["properties"]
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(schema))
+    assert refs and set(refs) <= set(components)
 
 
 def test_openai_client_raises_typed_errors(client):
