@@ -71,6 +71,7 @@ class ExperimentConfig:
 
 
 ROW_KEYS = ("id", "category", "tokens", "steps", "accept_lengths", "seconds", "batch")  # rows.jsonl
+RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tuple[ExperimentConfig, list[PipelineConfig]]:
@@ -228,7 +229,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
                           "checkpoint")
     out_dir = Path(cfg.output_dir) / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl"):  # a previous run's
+    for stale in RESULT_FILES:  # a previous run's
         (out_dir / stale).unlink(missing_ok=True)
     dump_yaml(dataclasses.asdict(cfg) | {"pipelines": [dataclasses.asdict(p) for p in pipelines]},
               out_dir / "config.yaml")

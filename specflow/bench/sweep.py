@@ -9,7 +9,7 @@ import itertools
 import json
 from pathlib import Path
 
-from specflow.bench.experiment import PipelineConfig, execute, load_experiment
+from specflow.bench.experiment import RESULT_FILES, PipelineConfig, execute, load_experiment
 from specflow.config import ConfigError
 from specflow.pipeline import Pipeline
 
@@ -102,6 +102,11 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
         else:
             cfg = dataclasses.replace(cfg, name=sweep_dir)
         plan[name] = (cfg, points, dict(zip(run_axes, values)))
+    # a previous sweep of the other shape left its files in runs/<name>-sweep/: the summary of run
+    # points, or a single run's results
+    out = Path(cfg.output_dir) if run_axes else Path(cfg.output_dir) / cfg.name
+    for stale in RESULT_FILES if run_axes else ("sweep.json", "sweep.md"):
+        (out / stale).unlink(missing_ok=True)
     results = {}
     for name, (cfg, points, _) in plan.items():
         results[name] = execute(cfg, points, rank=True)

@@ -189,10 +189,13 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
     drafter: {type: ngram}
     tree: {type: chain, depth: 2}
     verifier: {type: rejection}""")
+    out = tmp_path / "runs" / "tiny-sweep"
+    out.mkdir(parents=True)
+    (out / "results.md").write_text("a sweep without run points wrote this")
     main(["sweep", str(path), "--grid", "batch_size=1,2", "--grid", "sampling.temperature=0,0.8",
           "--grid", "tree.depth=1,3"])
     printed = capsys.readouterr().out
-    out = tmp_path / "runs" / "tiny-sweep"
+    assert not (out / "results.md").exists()   # (it would sit beside sweep.md as if it were this sweep's)
     names = ["batch_size=1,temperature=0", "batch_size=1,temperature=0.8",
              "batch_size=2,temperature=0", "batch_size=2,temperature=0.8"]
     points = json.loads((out / "sweep.json").read_text())["points"]
@@ -209,6 +212,8 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
     table = (out / "sweep.md").read_text().splitlines()
     assert sum(line.startswith("| 2 | 0.8 | depth=") for line in table) == 2
     assert sum(" * |" in line for line in table) == 4  # one best per run point
+    main(["sweep", str(path), "--grid", "tree.depth=1,3", "sampling.max_tokens=3"])   # and back: one run
+    assert (out / "results.md").exists() and not (out / "sweep.md").exists()
 
 
 def test_parse_grid_refuses_a_point_given_twice():
