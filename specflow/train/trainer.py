@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,10 @@ def train(run: TrainConfig) -> TrainResult:
                           f"<log_dir>/checkpoints/last.ckpt, written by trainer.checkpoint_every_n_steps)")
     metrics = log_dir / "metrics.csv"
     earlier = read_rows(metrics) if resume is not None else []   # (Lightning's CSV logger deletes the file)
-    callbacks = [] if t.checkpoint_every_n_steps is None else [ModelCheckpoint(
-        dirpath=checkpoints, every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=0, save_last=True)]
+    checkpointing = t.checkpoint_every_n_steps is not None
     order = DataOrder()   # a resumed run sees the batches (and noise) the uninterrupted run would
-    callbacks.append(order)
+    callbacks = [order] + ([ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=t.checkpoint_every_n_steps,
+                                            save_top_k=0, save_last=True)] if checkpointing else [])
     try:  # before the recipe's setup (minutes: the target, the corpus), so a bad setting costs nothing
         trainer = L.Trainer(
             accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
@@ -55,7 +56,7 @@ def train(run: TrainConfig) -> TrainResult:
             val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
             limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
             gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=checkpointing, callbacks=callbacks,
             enable_model_summary=False, num_sanity_val_steps=0,
             logger=CSVLogger(str(log_dir), name="", version=""), default_root_dir=str(log_dir))
     except (MisconfigurationException, ValueError, TypeError) as e:
@@ -73,9 +74,12 @@ def train(run: TrainConfig) -> TrainResult:
     val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers)
                   if job.val_data is not None else None)
     start = time.time()
-    trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
+    with warnings.catch_warnings():
+        if trainer.world_size == 1:  # DataOrder resumes mid-epoch, which Lightning cannot see
+            warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
+        trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
     wall = time.time() - start
-    if callbacks:  # the state where training stopped (max_steps, max_time), to continue from
+    if checkpointing:  # the state where training stopped (max_steps, max_time), to continue from
         trainer.save_checkpoint(checkpoints / "last.ckpt")
     state = trainer.strategy.lightning_module_state_dict()   # gathered in full under FSDP
     tokens = (trainer.global_step * t.accumulate_grad_batches * trainer.world_size
@@ -83,7 +87,7 @@ def train(run: TrainConfig) -> TrainResult:
     summary = {"name": run.name, "steps": trainer.global_step, "tokens_seen": tokens, "wall_s": round(wall, 1),
                **{k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}, **job.info,
                "checkpoint": str(run.output_dir), "curves": str(log_dir),
-               **({"training_state": str(checkpoints / "last.ckpt")} if callbacks else {})}
+               **({"training_state": str(checkpoints / "last.ckpt")} if checkpointing else {})}
     if trainer.is_global_zero:
         out = Path(run.output_dir)
         recipe.export(run, {k: v.detach().cpu() for k, v in state.items()}, out)

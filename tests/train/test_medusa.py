@@ -15,6 +15,8 @@ def test_trained_medusa_heads_are_accepted_far_more_often(tmp_path, trained_targ
     cfg = tiny_config(tmp_path, {"type": "medusa", "num_heads": 3}, target=trained_target, steps=60,
                       lr=1e-2, data=GENERATED)
     result = train(cfg)
+    # no checkpoint_every_n_steps: no training state is saved
+    assert "training_state" not in result.summary and not (tmp_path / "log" / "checkpoints").exists()
     for i in range(3):
         ce = logged(tmp_path / "log", f"train/ce_{i}")
         assert ce[-1] < 0.7 * ce[0], (i, ce)
