@@ -161,8 +161,8 @@ def _check_indices(cfg: DictConfig, key: str, override: str) -> None:
             node = node.get(part)
         elif isinstance(node, ListConfig) and part.lstrip("-").isdigit():
             if not -len(node) <= int(part) < len(node):
-                raise ConfigError(f"override '{override}': {'.'.join(parts[:i])} has {len(node)} items "
-                                  f"(indices 0 to {len(node) - 1})")
+                raise ConfigError(f"override '{override}': {'.'.join(parts[:i])} has {len(node)} item(s) "
+                                  f"(indices 0 to {len(node) - 1}, or -{len(node)} to -1)")
             node = node[int(part)]
         else:
             return

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,7 +21,8 @@ from specflow.runtime.attention import BACKENDS
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
+from specflow.sampling import (SamplingBatch, SamplingParams, logprob_rows, make_generator, next_tokens, salted_seeds,
+                               to_token_logprobs)
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -175,6 +177,9 @@ class SpecEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
         req = Request(next(self._ids), ids, params, self.eos_token_ids, self.tokenizer)
+        if self._salted:  # its sampled drafts keyed apart too: another request of its seed draws the same noise
+            key = salted_seeds(np.array([req.seed % 2**64], dtype=np.uint64), np.array([req.id + 1], dtype=np.uint64))
+            req.generator = make_generator(int(key[0]))
         if not self.scheduler.fits_alone(req):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "
                              f"raise kv_cache_tokens")
@@ -263,9 +268,9 @@ class SpecEngine:
             roots = self._roots(batch)
             t0 = time.perf_counter()
             try:
-                tree = self._draft(batch, roots)
+                tree, drafted = self._draft(batch, roots)
             except OutOfPages:  # the drafter's own pool is full: verify the roots only this step
-                tree = DraftTree.root_only(roots)
+                tree, drafted = DraftTree.root_only(roots), []
             if self.record_steps and self.device.type == "cuda":  # the timings split the device's work too
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
@@ -276,7 +281,7 @@ class SpecEngine:
                 continue
             if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
                 tree = tree.to(self.device)
-            verdict = self._verify(tree, out, batch)
+            verdict = self._verify(tree, out, batch, drafted)
             # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
             # and the greedy verifier, the step's one wait for the device
             *verdict, tokens = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens, tree.tokens])
@@ -297,25 +302,26 @@ class SpecEngine:
             greedy=torch.tensor([r.params.greedy for r in batch]),
         )
 
-    def _draft(self, batch: list[Request], roots: Roots) -> DraftTree:
-        """The tree of every request; requests that do not speculate get the root only, and so do
-        those whose full trees the target's pool cannot hold: the first speculating rows that fit
-        draft (eagerly; with CUDA graphs, whose one shape pads every row to N, all rows or none),
-        rather than preempting or cutting a request short. That is decided before any draw (the
-        pool's room for trees of ``num_draft_tokens`` nodes), as giving up a drawn tree for its
-        size would bias sampled drafts whose size depends on their draws."""
+    def _draft(self, batch: list[Request], roots: Roots) -> tuple[DraftTree, list[int]]:
+        """The tree of every request, and the rows that drafted; requests that do not speculate get
+        the root only, and so do those whose full trees the target's pool cannot hold: the first
+        speculating rows that fit draft (eagerly; with CUDA graphs, whose one shape pads every row
+        to N, all rows or none), rather than preempting or cutting a request short. That is
+        decided before any draw (the pool's room for trees of ``num_draft_tokens`` nodes), as
+        giving up a drawn tree for its size would bias sampled drafts whose size depends on their
+        draws."""
         on = self.spec_max_batch_size is None or len(batch) <= self.spec_max_batch_size
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
         while rows and not self._trees_fit(batch, rows):
             rows = rows[:-1] if self.runner.graphs is None else []
         if not rows:
-            return DraftTree.root_only(roots)
+            return DraftTree.root_only(roots), []
         tree = self.tree_builder.build(self.drafter, roots if len(rows) == len(batch) else roots.select(rows))
         if self.check_drafts:
             self._check_tree(tree)
         if len(rows) == len(batch):
-            return tree
-        return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree)
+            return tree, rows
+        return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree), rows
 
     def _check_tree(self, tree: DraftTree) -> None:
         """``check_drafts``: the tree's structure, its token ids and its drafts' q, each read
@@ -367,21 +373,25 @@ class SpecEngine:
             logits[b, : rows.stop - rows.start] = out.logits[rows]          # [n_b, V]
         return logits                                                        # [B, N, V]
 
-    def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request]) -> Verdict:
+    def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request], drafted: list[int]) -> Verdict:
         """The verifier's walk; a root-only tree (plain decoding) just samples the next token, as
         prefill does, with no tree to walk."""
-        sampling = self._sampling(batch)
+        sampling = self._sampling(batch, drafted=drafted)
         if tree.num_nodes > 1:
             return self.verifier.verify(tree, self._tree_logits(tree, out), sampling)
         bonus = next_tokens(out.logits, sampling)
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
-    def _sampling(self, batch: list[Request], ahead: list[bool] | None = None) -> SamplingBatch:
+    def _sampling(self, batch: list[Request], ahead: list[bool] | None = None,
+                  drafted: list[int] | None = None) -> SamplingBatch:
         """The batch's sampling, each row drawing the token after its sequence (and after its
-        token in flight, where ``ahead``)."""
+        token in flight, where ``ahead``). Rows ``drafted`` are salted (``SamplingBatch.coin_walk``)
+        when the drafter learns across requests; a row verifying its root only draws as plain
+        decoding does, whatever walk its batch-mates take."""
         positions = [r.seq_len + a for r, a in zip(batch, ahead or [0] * len(batch))]
-        salts = [r.id + 1 for r in batch] if self._salted else None
+        drafted = set(drafted or ())
+        salts = [r.id + 1 if b in drafted else 0 for b, r in enumerate(batch)] if self._salted else None
         return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions, salts)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],

@@ -43,8 +43,9 @@ class Drafter(Protocol):
     """Proposes draft tokens (``expand``) and keeps per-request state (``begin`` / ``commit`` /
     ``release``). A drafter whose drafts for one request can hold another request's tokens (an
     n-gram trie shared by all) sets ``learns_across_requests = True``: the engine then keys the
-    coin walks of its requests apart (``SamplingBatch.coin_walk``), which sampled verification
-    needs to stay lossless between requests of the same seed."""
+    coin walks (``SamplingBatch.coin_walk``) and the sampled drafts (``Request.generator``) of its
+    requests apart, which sampled verification needs to stay lossless between requests of the
+    same seed."""
 
     needs: TargetNeeds
 

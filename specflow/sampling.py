@@ -145,9 +145,14 @@ class SamplingBatch:
         walk takes no salt: its output is its draws' alone, whatever the drafts."""
         if not self.salts.any():
             return self
-        with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64 by design
-            salted = _mix64(_mix64(self.seeds + np.uint64(1)) ^ (self.salts * _GOLDEN))
-        return replace(self, seeds=np.where(self.salts == 0, self.seeds, salted), salts=np.zeros_like(self.salts))
+        return replace(self, seeds=salted_seeds(self.seeds, self.salts), salts=np.zeros_like(self.salts))
+
+
+def salted_seeds(seeds: np.ndarray, salts: np.ndarray) -> np.ndarray:
+    """[B] uint64 seeds keyed apart by [B] uint64 salts (a row with salt 0 keeps its seed)."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64 by design
+        salted = _mix64(_mix64(seeds + np.uint64(1)) ^ (salts * _GOLDEN))
+    return np.where(salts == 0, seeds, salted)
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -128,3 +128,16 @@ def test_stop_string_inside_an_accepted_run_cuts_there(tiny_target):
     assert cut.text == free.text[: free.text.index(stop)]
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
     assert engine.runner.cache.num_pages_used == 0
+
+
+@pytest.mark.parametrize("tree, verifier", [({"type": "chain", "depth": 3, "sample": True}, "rejection"),
+                                            ({"type": "chain", "depth": 3}, "threshold")])
+def test_a_request_that_does_not_speculate_decodes_plainly_beside_salted_coin_walks(model, tree, verifier):
+    """A drafter shared between requests salts the coin walks of the rows that draft
+    (SamplingBatch.coin_walk); a request with speculative=False batched beside them still draws
+    with plain decoding's uniforms: the same seed gives plain decoding's tokens."""
+    plain = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7, speculative=False)
+    spec = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=8)
+    reference = SpecEngine(model, kv_cache_tokens=2048).generate([PROMPTS[0]], plain)[0].token_ids
+    engine = SpecEngine(model, {"type": "ngram", "scope": "global"}, tree, {"type": verifier}, kv_cache_tokens=2048)
+    assert engine.generate([PROMPTS[0]] * 2, [spec, plain])[1].token_ids == reference
