@@ -71,7 +71,10 @@ def train(run: TrainConfig) -> TrainResult:
     if len(train_loader) == 0:  # Lightning would only warn, and the untrained weights be exported
         raise ConfigError(f"train: {len(job.train_data)} training sequences fill no batch of optim.batch_size="
                           f"{run.optim.batch_size}; lower it, or give more data (data.max_files, data.max_tokens)")
-    val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers)
+    # (a generator of its own too: Lightning validates when max_time stops a run, just before the
+    # state is saved, and a draw from the global RNG there would change the resumed run's noise)
+    val_loader = (DataLoader(job.val_data, batch_size=run.optim.batch_size, num_workers=t.num_workers,
+                             generator=torch.Generator().manual_seed(run.seed))
                   if job.val_data is not None else None)
     start = time.time()
     with warnings.catch_warnings():
@@ -101,54 +104,48 @@ def train(run: TrainConfig) -> TrainResult:
 
 
 class EpochShuffle(RandomSampler):
-    """The shuffle ``DataLoader(shuffle=True, generator=manual_seed(seed))`` gives, as a function of
-    (seed, epoch) alone (Lightning calls ``set_epoch``), that can start part-way into an epoch
-    (``skip = (epoch, samples)``, used once): what a resumed run needs to see the same batches."""
+    """One seeded shuffle per data epoch (a function of (seed, epoch) alone), served from a position
+    in it (``epoch``, ``start`` samples) that the run advances (DataOrder): an iterator yields the
+    rest of the current epoch's order. Lightning's epochs play no part, so a resumed run sees the
+    batches the uninterrupted run did, whether it stopped on a checkpoint mid-epoch or on max_steps
+    or max_time (whose final save Lightning marks as the end of an epoch)."""
 
     def __init__(self, data, seed: int):
         super().__init__(data)
-        self.seed, self.epoch = seed, 0
-        self.skip: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.seed, self.epoch, self.start = seed, 0, 0
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed)
         for _ in range(self.epoch + 1):   # epoch e's order is the generator's (e + 1)-th permutation
             order = torch.randperm(len(self.data_source), generator=g)
-        start = self.skip[1] if self.skip is not None and self.skip[0] == self.epoch else 0
-        self.skip = None
-        yield from order[start:].tolist()
+        # (read the position now: a loader with workers makes its iterator before Lightning's epoch hooks)
+        return iter(order[self.start:].tolist())
 
 
 class DataOrder(L.Callback):
-    """Keeps in a training checkpoint the position in the data order (epoch, batches done) and the
-    global RNG (EAGLE's feature noise); resuming restores both, so the run continues as if never
-    stopped. Under a multi-process strategy Lightning swaps in its DistributedSampler and only the
-    RNG is kept."""
+    """Keeps in a training checkpoint the position in the data order (EpochShuffle) and the global
+    RNG (EAGLE's feature noise); resuming restores both, so the run continues as if never stopped.
+    Under a multi-process strategy Lightning swaps in its DistributedSampler and only the RNG is
+    kept."""
 
     def __init__(self):
         self.sampler: EpochShuffle | None = None
         self.batch_size = 1
-        self.epoch = self.batches = 0
-
-    def on_train_epoch_start(self, trainer, module) -> None:
-        self.epoch, self.batches = trainer.current_epoch, 0
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.batches += 1   # before ModelCheckpoint (Lightning runs it last) saves this state
+        s = self.sampler   # (before ModelCheckpoint, which Lightning runs last, saves this state)
+        s.start += self.batch_size
+        if s.start + self.batch_size > len(s.data_source):   # drop_last: no full batch left
+            s.epoch, s.start = s.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "batches": self.batches, "rng": torch.get_rng_state()}
+        state = {"epoch": self.sampler.epoch, "start": self.sampler.start, "rng": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batches = state["epoch"], state["batches"]
-        if self.sampler is not None:
-            self.sampler.skip = (self.epoch, self.batches * self.batch_size)
+        self.sampler.epoch, self.sampler.start = state["epoch"], state["start"]
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

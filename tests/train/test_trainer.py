@@ -51,32 +51,54 @@ def test_resume_without_a_checkpoint_fails_before_training(tmp_path, tiny_target
     assert not (tmp_path / "out").exists()
 
 
-def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_target, monkeypatch):
-    """A run stopped mid-epoch (a crash after a checkpoint) and resumed ends with the weights of a
-    run never stopped: the resumed run sees the same batches (not epoch 0's order again) and the
-    same EAGLE feature noise (the global RNG)."""
+STOPS = {  # trainer settings, the step it stops at, how; 24 sequences of batch 8: 3 batches an epoch
+    "crash mid-epoch": ({"checkpoint_every_n_steps": 4, "limit_val_batches": 0}, 4, "crash"),
+    "crash mid-epoch, workers": ({"checkpoint_every_n_steps": 4, "limit_val_batches": 0, "num_workers": 1}, 4, "crash"),
+    "crash at an epoch's end, workers": ({"checkpoint_every_n_steps": 3, "limit_val_batches": 1, "num_workers": 1},
+                                         3, "crash"),
+    "max_steps mid-epoch, then more": ({"checkpoint_every_n_steps": 100, "limit_val_batches": 0}, 4, "max_steps"),
+    "max_time mid-epoch (validates)": ({"checkpoint_every_n_steps": 100, "limit_val_batches": 1}, 4, "max_time"),
+}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_target, monkeypatch, stop):
+    """A run stopped mid-epoch and resumed ends with the weights of a run never stopped: the resumed
+    run sees the same batches (not epoch 0's order again, nor the next epoch's where Lightning's
+    final save marks the stopped epoch done, nor epoch 0's where workers draw indices before the
+    epoch hooks) and the same EAGLE feature noise (the global RNG)."""
     import lightning as L
+
+    extra, at, how = STOPS[stop]
 
     def config(name, **trainer):
         cfg = tiny_config(tmp_path / name, {"type": "eagle"}, target=tiny_target, steps=8,
-                          data={"max_tokens": 1600},   # 24 sequences: 3 batches an epoch
-                          trainer_extra={"checkpoint_every_n_steps": 4, "limit_val_batches": 0})
+                          data={"max_tokens": 1600}, trainer_extra=extra)   # 24 sequences: 3 batches an epoch
         return resumed(cfg, **trainer)
 
     train(config("whole"))
 
     class Crash(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if trainer.global_step == 4:   # epoch 1, after its first batch; step 4's checkpoint is saved
+            if trainer.global_step == at:   # after step `at`'s checkpoint
                 raise RuntimeError("interrupted")
 
+    class OutOfTime(L.Callback):   # what Lightning's Timer does once max_time has passed
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == at:
+                trainer.should_stop = True
+
     init = L.Trainer.__init__
+    stopper = {"crash": [Crash()], "max_time": [OutOfTime()]}.get(how, [])
     monkeypatch.setattr(L.Trainer, "__init__", lambda self, *a, **kw: init(
-        self, *a, **{**kw, "callbacks": [*kw["callbacks"], Crash()]}))
-    with pytest.raises(RuntimeError, match="interrupted"):
-        train(config("split"))
+        self, *a, **{**kw, "callbacks": [*kw["callbacks"], *stopper]}))
+    if how == "crash":
+        with pytest.raises(RuntimeError, match="interrupted"):
+            train(config("split"))
+    else:
+        assert train(config("split", **({"max_steps": at} if how == "max_steps" else {}))).summary["steps"] == at
     monkeypatch.setattr(L.Trainer, "__init__", init)
-    assert torch.load(tmp_path / "split" / "log" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert torch.load(tmp_path / "split" / "log" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == at
     assert train(config("split", resume="last")).summary["steps"] == 8
 
     whole = load_file(tmp_path / "whole" / "out" / "model.safetensors")
