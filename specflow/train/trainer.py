@@ -64,10 +64,11 @@ def train(run: TrainConfig) -> TrainResult:
     job = recipe.setup(run)
     order.sampler = EpochShuffle(job.train_data, run.seed)
     order.batch_size = run.optim.batch_size
+    # (a generator of its own: the loader's draw of its workers' seed would otherwise move the
+    # global RNG, which a resumed run restores)
     train_loader = DataLoader(job.train_data, batch_size=run.optim.batch_size, sampler=order.sampler,
                               drop_last=True, num_workers=t.num_workers,
-                              generator=torch.Generator().manual_seed(run.seed))  # (its worker seed draw
-                              # would otherwise move the global RNG, which a resumed run restores)
+                              generator=torch.Generator().manual_seed(run.seed))
     if len(train_loader) == 0:  # Lightning would only warn, and the untrained weights be exported
         raise ConfigError(f"train: {len(job.train_data)} training sequences fill no batch of optim.batch_size="
                           f"{run.optim.batch_size}; lower it, or give more data (data.max_files, data.max_tokens)")
