@@ -32,10 +32,10 @@ VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
     "{%- if tools %}{{ '# tools: ' + (tools | tojson) + '\\n' }}{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m['role'] == 'tool' %}{{ '# tool [' + m['tool_call_id'] + ']: ' + m['content'] + '\\n' }}"
-    "{%- else %}{{ '# ' + m['role'] + ': ' + (m['content'] or '') }}"
-    "{%- if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
-    "{{ '<tool_call>' + ({'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson) + '</tool_call>' }}"
+    "{%- if m['role'] == 'tool' %}{{ '# tool [' ~ (m['tool_call_id'] or '') ~ ']: ' ~ (m['content'] or '') ~ '\\n' }}"
+    "{%- else %}{{ '# ' ~ m['role'] ~ ': ' ~ (m['content'] or '') }}"
+    "{%- if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{{ '<tool_call>' ~ ({'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson) ~ '</tool_call>' }}"
     "{%- endfor %}{% endif %}{{ '\\n' }}{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}")

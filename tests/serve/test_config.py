@@ -74,3 +74,7 @@ def test_the_shipped_model_renders_chats_and_tool_calls_the_server_parses():
     parsed = parse_tool_calls(lines[2].removeprefix("# assistant: "))
     assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [("add", '{"a": 1, "b": 2}')]
     assert response.json()["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(rendered, add_special_tokens=False))
+    # in library use, messages the server would refuse still render (no id, no content)
+    assert engine.tokenizer.apply_chat_template(
+        [{"role": "assistant", "content": None, "tool_calls": None}, {"role": "tool", "content": None}],
+        tokenize=False) == "# assistant: \n# tool []: \n"
