@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,8 +20,7 @@ from specflow.runtime.attention import BACKENDS
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import (SamplingBatch, SamplingParams, logprob_rows, make_generator, next_tokens, salted_seeds,
-                               to_token_logprobs)
+from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -176,10 +174,8 @@ class SpecEngine:
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
-        req = Request(next(self._ids), ids, params, self.eos_token_ids, self.tokenizer)
-        if self._salted:  # its sampled drafts keyed apart too: another request of its seed draws the same noise
-            key = salted_seeds(np.array([req.seed % 2**64], dtype=np.uint64), np.array([req.id + 1], dtype=np.uint64))
-            req.generator = make_generator(int(key[0]))
+        rid = next(self._ids)
+        req = Request(rid, ids, params, self.eos_token_ids, self.tokenizer, salt=rid + 1 if self._salted else 0)
         if not self.scheduler.fits_alone(req):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "
                              f"raise kv_cache_tokens")
@@ -391,7 +387,7 @@ class SpecEngine:
         decoding does, whatever walk its batch-mates take."""
         positions = [r.seq_len + a for r, a in zip(batch, ahead or [0] * len(batch))]
         drafted = set(drafted or ())
-        salts = [r.id + 1 if b in drafted else 0 for b, r in enumerate(batch)] if self._salted else None
+        salts = [r.salt if b in drafted else 0 for b, r in enumerate(batch)] if self._salted else None
         return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions, salts)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tokenizers.decoders import DecodeStream
 
-from specflow.sampling import SamplingParams, TokenLogprob, make_generator, request_seed
+from specflow.sampling import SamplingParams, TokenLogprob, make_generator, request_seed, salted_seeds
 from specflow.tree import StepRecord
 
 
@@ -81,12 +82,15 @@ class Request:
     text is kept as tokens are committed (stop strings, streaming)."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int], tokenizer=None):
+                 eos_token_ids: list[int], tokenizer=None, salt: int = 0):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.seed = request_seed(params.seed)  # keys the target's draws (SamplingBatch)
-        self.generator: torch.Generator = make_generator(self.seed)  # the drafter's sampled drafts
+        # keys its coin walks and sampled drafts apart from other requests of its seed (0: not)
+        self.salt = salt
+        draft_seed = salted_seeds(np.array([self.seed % 2**64], dtype=np.uint64), np.array([salt], dtype=np.uint64))
+        self.generator: torch.Generator = make_generator(int(draft_seed[0]))  # the drafter's sampled drafts
         self.output_ids: list[int] = []
         self.seq: list[int] = list(prompt_ids)  # prompt + generated ids, kept in step with output_ids
         self.accept_lengths: list[int] = []
