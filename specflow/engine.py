@@ -13,6 +13,7 @@ from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
 from specflow.models import LlamaForCausalLM, load_model
+from specflow.penalties import History, Penalties
 from specflow.pipeline import EngineConfig, Pipeline
 from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput, Status
@@ -171,6 +172,9 @@ class SpecEngine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), the target's vocabulary")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is not in [0, {vocab}), "
+                             f"the target's vocabulary")
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
@@ -372,10 +376,11 @@ class SpecEngine:
     def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request], drafted: list[int]) -> Verdict:
         """The verifier's walk; a root-only tree (plain decoding) just samples the next token, as
         prefill does, with no tree to walk."""
-        sampling = self._sampling(batch, drafted=drafted)
+        sampling, penalties = self._sampling(batch, drafted=drafted), self._penalties(batch)
         if tree.num_nodes > 1:
-            return self.verifier.verify(tree, self._tree_logits(tree, out), sampling)
-        bonus = next_tokens(out.logits, sampling)
+            logits = self._tree_logits(tree, out)                                  # [B, N, V]
+            return self.verifier.verify(tree, logits if penalties is None else penalties.apply(logits, tree), sampling)
+        bonus = next_tokens(self._adjusted(out.logits, penalties), sampling)
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
@@ -389,6 +394,16 @@ class SpecEngine:
         drafted = set(drafted or ())
         salts = [r.salt if b in drafted else 0 for b, r in enumerate(batch)] if self._salted else None
         return SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch], positions, salts)
+
+    def _penalties(self, batch: list[Request]) -> Penalties | None:
+        """The batch's history-dependent logit adjustments (specflow.penalties), None without any."""
+        return Penalties.build([History(r.params, r.prompt_ids, r.output_ids, r.stop_ids) for r in batch],
+                               self.model.config.vocab_size, self.device)
+
+    @staticmethod
+    def _adjusted(logits: Tensor, penalties: Penalties | None) -> Tensor:
+        """[B, V] logits of the token after each sequence, adjusted by ``penalties``."""
+        return logits if penalties is None else penalties.apply(logits[:, None])[:, 0]
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
@@ -460,7 +475,9 @@ class SpecEngine:
             return []
         rows = [b for b, f in enumerate(fresh) if f]  # (a resumed request's generator draws nothing)
         logits = out.logits if len(rows) == len(reqs) else out.logits[rows]
-        first = dict(zip(rows, next_tokens(logits, self._sampling([reqs[b] for b in rows])).tolist()))
+        drawing = [reqs[b] for b in rows]
+        first = next_tokens(self._adjusted(logits, self._penalties(drawing)), self._sampling(drawing))
+        first = dict(zip(rows, first.tolist()))
         live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
@@ -540,7 +557,10 @@ class SpecEngine:
             where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.device)
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
-        tokens = next_tokens(out.logits, self._sampling(batch, [i >= 0 for i in rows]))  # [B]
+        penalties = self._penalties(batch)
+        if penalties is not None and ahead is not None:  # the roots in flight are generated tokens too
+            penalties = penalties.after(roots, to_device([torch.tensor([i >= 0 for i in rows])], self.device)[0])
+        tokens = next_tokens(self._adjusted(out.logits, penalties), self._sampling(batch, [i >= 0 for i in rows]))  # [B]
         top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
         logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
         return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)

@@ -140,6 +140,8 @@ class Request:
         text = self.stream.exact(self.output_ids)
         start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
         self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
+        if len(self.output_ids) < self.params.min_tokens:  # (stop tokens wait too: specflow.penalties)
+            return False
         hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]
         if hits:
             self.text = text[:min(hits)]

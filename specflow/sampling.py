@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import random
 from dataclasses import dataclass, field, replace
@@ -14,10 +15,13 @@ from torch import Tensor
 from specflow.runtime.transfer import to_device
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _NUMBER, _INTEGER = ("a number", numbers.Real), ("an integer", numbers.Integral)
 _PARAM_TYPES = {"temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "top_k": _INTEGER, "max_tokens": _INTEGER,
                 "seed": ("an integer or None", (numbers.Integral, type(None))),
-                "logprobs": ("an integer or None", (numbers.Integral, type(None)))}
+                "logprobs": ("an integer or None", (numbers.Integral, type(None))),
+                "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER, "repetition_penalty": _NUMBER,
+                "min_tokens": _INTEGER}
 
 
 @dataclass
@@ -29,6 +33,11 @@ class SamplingParams:
     keeps generating past the end-of-sequence token. ``logprobs=n`` records, for every committed
     token, its log-probability under the target and the ``n`` most likely alternatives
     (``None``: not recorded).
+
+    ``logit_bias`` (token id -> value added to its logit), ``frequency_penalty``,
+    ``presence_penalty``, ``repetition_penalty`` (1 = off) and ``min_tokens`` (stop tokens and
+    stop strings wait until that many tokens were generated) adjust the target's logits by the
+    request's history, in every tree node by its own path (specflow.penalties).
     """
 
     temperature: float = 1.0
@@ -42,6 +51,11 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name, (what, kind) in _PARAM_TYPES.items():
@@ -62,6 +76,14 @@ class SamplingParams:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}"),
+            (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, got {self.frequency_penalty}"),
+            (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, got {self.presence_penalty}"),
+            (0 < self.repetition_penalty <= _FLOAT32_MAX,  # (the logits' arithmetic is float32)
+             f"repetition_penalty must be > 0 and at most {_FLOAT32_MAX:.4g} (1 = off), got {self.repetition_penalty}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"),
+            (self.logit_bias is None or _is_bias(self.logit_bias),
+             f"logit_bias must map token ids (integers >= 0) to finite numbers, got {self.logit_bias!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -70,6 +92,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty counts the request's history."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything of specflow.penalties applies to this request."""
+        return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def _is_bias(bias) -> bool:
+    """Whether ``bias`` maps token ids (integers >= 0) to finite numbers."""
+    return isinstance(bias, dict) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+        and isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for t, x in bias.items())
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from specflow.protocols import TargetNeeds
 from specflow.registry import DRAFTERS
 from specflow.runtime.model_runner import ModelRunner
 from specflow.sampling import SamplingBatch, target_probs
+from tests.test_penalties import reference_logits
 
 V, PROMPT, NEW = 6, [1, 4, 2, 5], 3  # NEW tokens: one from prefill, then speculative steps
 PARAMS = dict(temperature=0.9, top_k=5, top_p=0.95, max_tokens=NEW, ignore_eos=True)
@@ -30,22 +31,24 @@ def small_vocab(tmp_path_factory):
     return target, draft
 
 
-def exact_joint(model, prompt: list[int] = PROMPT) -> torch.Tensor:
+def exact_joint(model, prompt: list[int] = PROMPT, params: dict = PARAMS) -> torch.Tensor:
     """[V ** 3] probability p(a) p(b | a) p(c | a, b) of every 3-token continuation of ``prompt``
-    under the processed target distribution."""
-    runner = ModelRunner(model, num_pages=4096)
-    sampling = SamplingBatch.from_params([SamplingParams(**PARAMS)], [0])
+    under the processed target distribution (penalties, as tests/test_penalties.py writes them
+    out token by token, then temperature and the truncations)."""
+    runner, params = ModelRunner(model, num_pages=4096), SamplingParams(**params)
+    sampling = SamplingBatch.from_params([params], [0])
     joint = torch.zeros(V, V, V, dtype=torch.float64)
     for a, b in itertools.product(range(V), repeat=2):
-        logits = runner.extend([0], [prompt + [a, b]]).logits  # [len, V]
+        logits = runner.extend([0], [prompt + [a, b]]).logits[len(prompt) - 1:]  # [3, V]
         runner.release([0])
-        p = target_probs(logits[None, len(prompt) - 1:], sampling)[0].double()  # [3, V]: p(.), p(.|a), p(.|a,b)
+        adjusted = [reference_logits(logits[k].tolist(), prompt, [a, b][:k], params, set()) for k in range(3)]
+        p = target_probs(torch.tensor(adjusted)[None], sampling)[0].double()  # [3, V]: p(.), p(.|a), p(.|a,b)
         joint[a, b] = p[0, a] * p[1, b] * p[2]
     return joint.flatten()
 
 
-def sampled_counts(engine: SpecEngine, n: int, prompt: list[int] = PROMPT) -> torch.Tensor:
-    outs = engine.generate([prompt] * n, [SamplingParams(seed=i, **PARAMS) for i in range(n)])
+def sampled_counts(engine: SpecEngine, n: int, prompt: list[int] = PROMPT, params: dict = PARAMS) -> torch.Tensor:
+    outs = engine.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
     counts = torch.zeros(V ** NEW)
     for o in outs:
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
@@ -85,6 +88,24 @@ def test_sampled_output_matches_target_distribution(small_vocab, case):
                         kv_cache_tokens=8192, max_batch_size=128)
     counts = sampled_counts(engine, 3000)
     assert_same_distribution(counts, exact_joint(model))
+
+
+PENALIZED = dict(PARAMS, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, logit_bias={2: 1.0})
+
+
+@pytest.mark.parametrize("case", ["rejection-sampled-chain", pytest.param("rejection-topk-eagle2", marks=pytest.mark.slow)])
+def test_sampled_output_with_penalties_matches_the_penalized_target_distribution(small_vocab, case):
+    """Each node's target distribution depends on its path (the penalties count the path's
+    tokens); the drafts do not: a verifier testing them against the path's distribution keeps
+    the output exact."""
+    target, draft = small_vocab
+    model = load_model(target)
+    tree, verifier = CASES[case]
+    engine = SpecEngine(model, {"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192}, tree, verifier,
+                        kv_cache_tokens=8192, max_batch_size=128)
+    joint = exact_joint(model, params=PENALIZED)
+    assert (joint - exact_joint(model)).abs().sum() > 0.2  # (the penalties move the distribution)
+    assert_same_distribution(sampled_counts(engine, 3000, params=PENALIZED), joint)
 
 
 REPEATING = [5, 1, 3, 1, 4, 5, 2, 3, 0, 5]  # the n-gram drafter finds continuations of its tokens

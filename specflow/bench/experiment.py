@@ -48,6 +48,10 @@ class SamplingConfig:
     max_tokens: int = 64
     seed: int = 0
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0   # these four: SamplingParams' (specflow.penalties)
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 @dataclass
@@ -104,9 +108,7 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
 
 def sampling_params(sampling: SamplingConfig, i: int) -> SamplingParams:
     """Prompt ``i``'s SamplingParams (seed ``sampling.seed + i``)."""
-    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          min_p=sampling.min_p, max_tokens=sampling.max_tokens, seed=sampling.seed + i,
-                          ignore_eos=sampling.ignore_eos)
+    return SamplingParams(**dict(dataclasses.asdict(sampling), seed=sampling.seed + i))
 
 
 def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:

@@ -235,12 +235,22 @@ class OpenAIServing:
             raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
                                 f"{e.start}), which is not valid Unicode text", param=param) from None
 
-    @staticmethod
-    def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        return SamplingParams(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
-            ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs)
+    def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """Choice ``choice``'s SamplingParams; a value they refuse (a ``min_tokens`` past the
+        request's max tokens, a ``logit_bias`` token past the vocabulary) is a 400 naming it."""
+        bias, vocab = body.token_bias(), self.loop.engine.model.config.vocab_size
+        if bias and max(bias) >= vocab:
+            raise ApiError(400, f"logit_bias has token id {max(bias)}, past this model's vocabulary "
+                                f"(ids 0 to {vocab - 1})", param="logit_bias")
+        try:
+            return SamplingParams(
+                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
+                ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs, logit_bias=bias,
+                frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
+        except ValueError as e:   # its message starts with the field's name
+            raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
     async def _submit(self, choices: list[tuple[list[int], SamplingParams]], param: str) -> Submission:
         try:

@@ -2,7 +2,8 @@
 
 Request models are strict and closed: a wrong type, an out-of-range value or an unknown field is
 a 400 that names the field. Extensions beyond OpenAI's parameters: ``top_k``, ``min_p``,
-``ignore_eos``, ``speculative`` (``false`` decodes this request without a drafter) in requests,
+``ignore_eos``, ``repetition_penalty``, ``min_tokens`` (vLLM's meanings) and ``speculative``
+(``false`` decodes this request without a drafter) in requests,
 and ``usage.accept_length`` (tokens committed per speculative step) in responses.
 """
 
@@ -52,23 +53,25 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     speculative: bool = True
     user: str | None = None           # accepted and ignored, as OpenAI does
-    frequency_penalty: float = 0.0    # penalties are not implemented: 0 only
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # not implemented: empty only (clients send {})
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported; leave them at 0")
-        return v
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)   # vLLM's, 1 = off
+    min_tokens: int = Field(0, ge=0)                 # vLLM's
+    logit_bias: dict[str, float] | None = None   # token id (as text) -> bias in [-100, 100]
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported; leave it empty")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias} for token {token}")
         return v
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id (None when empty)."""
+        return {int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("top_k")
     @classmethod

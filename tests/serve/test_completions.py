@@ -3,6 +3,7 @@ plain decoding in-process, streaming equal to non-streaming, chat templates (too
 conversations too), n / seed, logprobs under speculation, and 32 concurrent requests under KV
 pressure equal to sequential ones."""
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -54,6 +55,25 @@ def test_completion_equals_plain_decoding(client, reference):
         assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == len(ref.prompt_token_ids)
         stats = out.usage.model_extra["accept_length"]   # the extension: per-step accept lengths
         assert stats["mean"] > 1 and sum(int(k) * v for k, v in stats["histogram"].items()) == 15
+
+
+def test_penalties_and_logit_bias_equal_plain_decoding_with_them(client, reference):
+    """OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens: under
+    speculation, streamed or not, the server's text is plain decoding's with the same adjustments."""
+    banned = reference.encode(PROMPTS[0])[-1]
+    adjust = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={banned: -100.0, 7: 3.0},
+                  repetition_penalty=1.8, min_tokens=10)
+    params = SamplingParams(temperature=0.0, max_tokens=16, **adjust)
+    expected = reference.generate(PROMPTS, params)
+    assert [e.text for e in expected] != [e.text for e in reference.generate(PROMPTS, dataclasses.replace(
+        params, logit_bias=None, frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0))]
+    body = dict(temperature=0.0, max_tokens=16, frequency_penalty=1.5, presence_penalty=0.5,
+                logit_bias={str(banned): -100, "7": 3}, extra_body={"repetition_penalty": 1.8, "min_tokens": 10})
+    for prompt, ref in zip(PROMPTS, expected):
+        out = client.completions.create(model=MODEL, prompt=prompt, **body)
+        assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+        texts, _, _ = stream_text(client.completions.create(model=MODEL, prompt=prompt, stream=True, **body))
+        assert texts == [ref.text]
 
 
 def test_prompt_as_token_ids_and_batch_of_prompts(client, reference):

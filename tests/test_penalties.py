@@ -1,0 +1,175 @@
+"""History-dependent logit adjustments (specflow.penalties): every tree node is adjusted by its
+own path as a reference written token by token adjusts it, and speculative decoding with them
+gives plain decoding's output with them (greedy: token for token; seeded exact match too)."""
+
+import collections
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specflow import SamplingParams, SpecEngine
+from specflow.models import load_model
+from specflow.penalties import History, Penalties
+from specflow.runtime.model_runner import ModelRunner
+from tests.test_lossless import PROMPTS, TREES, drafters
+from tests.verifiers.test_greedy import VOCAB, random_trees
+
+
+def reference_logits(raw: list[float], prompt: list[int], output: list[int], params: SamplingParams,
+                     stop_ids: set[int]) -> list[float]:
+    """The adjusted logits of the token after ``prompt + output``, one token at a time (vLLM's order)."""
+    logits = [x + (params.logit_bias or {}).get(t, 0.0) for t, x in enumerate(raw)]
+    if len(output) < params.min_tokens:
+        for t in stop_ids:
+            logits[t] = -math.inf
+    r = params.repetition_penalty
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
+    for t, count in collections.Counter(output).items():
+        logits[t] -= params.frequency_penalty * count + params.presence_penalty
+    return logits
+
+
+@st.composite
+def histories(draw, vocab: int) -> History:
+    token = st.integers(0, vocab - 1)
+    params = SamplingParams(
+        max_tokens=64, min_tokens=draw(st.integers(0, 6)),
+        repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.5])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.5, -0.4])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.3, -1.0])),
+        logit_bias=draw(st.dictionaries(token, st.sampled_from([-100.0, -2.5, 3.0]), max_size=2)))
+    return History(params, draw(st.lists(token, min_size=1, max_size=5)), draw(st.lists(token, max_size=5)),
+                   set(draw(st.lists(token, max_size=2))))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_node_is_adjusted_by_its_own_path(data):
+    tree = data.draw(random_trees())
+    b, n = tree.tokens.shape
+    rows = [data.draw(histories(VOCAB)) for _ in range(b)]
+    logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))) * 3
+    penalties = Penalties.build(rows, VOCAB, torch.device("cpu"))  # (None: no row adjusts its logits)
+    adjusted = logits if penalties is None else penalties.apply(logits, tree)
+    for r, h in enumerate(rows):
+        for node in range(n):
+            if tree.valid[r, node]:
+                path = [int(tree.tokens[r, i]) for i in tree.path_to(r, node)[1:]]  # (the root is the sequence's)
+                want = reference_logits(logits[r, node].tolist(), h.prompt_ids, h.output_ids + path, h.params,
+                                        h.stop_ids)
+                torch.testing.assert_close(adjusted[r, node], torch.tensor(want), rtol=1e-6, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_tokens_in_flight_count_as_generated(data):
+    rows = [data.draw(histories(VOCAB)) for _ in range(data.draw(st.integers(1, 4)))]
+    flight = [data.draw(st.integers(0, VOCAB - 1)) for _ in rows]
+    ahead = [data.draw(st.booleans()) for _ in rows]
+    rows[0].params.frequency_penalty = 1.0  # (some row adjusts its logits)
+    logits = torch.randn(len(rows), 1, VOCAB)
+    got = Penalties.build(rows, VOCAB, torch.device("cpu")).after(torch.tensor(flight), torch.tensor(ahead))
+    landed = [History(h.params, h.prompt_ids, h.output_ids + [t] * a, h.stop_ids) for h, t, a in zip(rows, flight, ahead)]
+    want = Penalties.build(landed, VOCAB, torch.device("cpu"))
+    torch.testing.assert_close(got.apply(logits), want.apply(logits))
+
+
+def test_rows_without_adjustments_keep_their_bits():
+    plain, biased = SamplingParams(), SamplingParams(repetition_penalty=1.2, logit_bias={1: 2.0}, min_tokens=3)
+    rows = [History(plain, [1, 2], [2, 2], {0}), History(biased, [1, 2], [2, 2], {0})]
+    assert Penalties.build(rows[:1], VOCAB, torch.device("cpu")) is None
+    logits = torch.randn(2, 4, VOCAB, dtype=torch.bfloat16)
+    adjusted = Penalties.build(rows, VOCAB, torch.device("cpu")).apply(logits)
+    assert torch.equal(adjusted[0], logits[0].float()) and not torch.equal(adjusted[1], logits[1].float())
+
+
+def test_bad_values_name_the_parameter(tiny_target):
+    for bad, name in [(dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=9), "min_tokens"),
+                      (dict(frequency_penalty=math.inf), "frequency_penalty"), (dict(logit_bias={"3": 1.0}), "logit_bias"),
+                      (dict(logit_bias={3: math.nan}), "logit_bias"), (dict(presence_penalty="1"), "presence_penalty")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(max_tokens=8, **bad)
+    engine = SpecEngine(tiny_target, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match="logit_bias token id 320 is not in"):
+        engine.add_request([1, 2], SamplingParams(logit_bias={320: 1.0}))
+
+
+PENALIZED = dict(max_tokens=20, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0,
+                 logit_bias={7: 4.0, 42: -100.0}, min_tokens=4, stop_token_ids=[5])
+
+
+def reference_decode(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding written out: the whole sequence through the target at every token, the
+    adjusted argmax, the stop token."""
+    runner, out = ModelRunner(model, num_pages=1024), []
+    while len(out) < params.max_tokens:
+        raw = runner.extend([0], [prompt + out]).logits[-1].tolist()
+        runner.release([0])
+        logits = reference_logits(raw, prompt, out, params, set(params.stop_token_ids))
+        out.append(max(range(len(logits)), key=logits.__getitem__))
+        if out[-1] in params.stop_token_ids:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return load_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model):
+    params = SamplingParams(temperature=0.0, **PENALIZED)
+    plain = SpecEngine(model, kv_cache_tokens=2048).generate(PROMPTS, params)
+    assert [o.token_ids for o in plain] == [reference_decode(model, p, params) for p in PROMPTS]
+    unadjusted = SpecEngine(model, kv_cache_tokens=2048).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20))
+    assert all(o.token_ids != u.token_ids for o, u in zip(plain, unadjusted))
+    return [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "rejection", "threshold", "typical"])
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("drafter", ["ngram", "self_draft", "union"])
+def test_greedy_with_penalties_equals_plain_decoding(model, tiny_target, tiny_draft, greedy_reference,
+                                                     drafter, tree, verifier):
+    engine = SpecEngine(model, drafters(tiny_target, tiny_draft)[drafter], TREES[tree], {"type": verifier},
+                        kv_cache_tokens=2048)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, **PENALIZED))
+    assert [o.token_ids for o in outs] == greedy_reference
+    if drafter == "self_draft":  # (its drafts ignore the penalties, yet some are the adjusted argmax)
+        assert max(a for o in outs for a in o.accept_lengths) > 1
+
+
+@pytest.mark.parametrize("tree", ["chain", "eagle2"])
+def test_seeded_sampling_with_penalties_equals_plain_decoding_with_exact_match(model, tiny_target, tree):
+    params = [SamplingParams(temperature=0.8, top_k=50, seed=i, **PENALIZED) for i in range(3)]
+    plain = SpecEngine(model, kv_cache_tokens=2048).generate(PROMPTS, params)
+    engine = SpecEngine(model, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 2048},
+                        TREES[tree], {"type": "rejection"}, kv_cache_tokens=2048)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+
+
+def test_min_tokens_holds_back_stop_tokens(model, tiny_target):
+    params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={5: 100.0}, stop_token_ids=[5], min_tokens=6)
+    plain = SpecEngine(model, kv_cache_tokens=2048).generate(PROMPTS, params)
+    spec = SpecEngine(model, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 2048},
+                      TREES["chain"], {"type": "greedy"}, kv_cache_tokens=2048).generate(PROMPTS, params)
+    for out in plain + spec:
+        assert len(out.token_ids) == 7 and out.token_ids[-1] == 5 and 5 not in out.token_ids[:-1]
+        assert out.finish_reason == "stop"
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_target):
+    engine = SpecEngine(tiny_target, kv_cache_tokens=2048, device="cpu", dtype="float32")
+    greedy = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    free = engine.generate("def main():", SamplingParams(**greedy))[0]
+    stop = engine.decode(free.token_ids[1:3])
+    early = engine.generate("def main():", SamplingParams(stop=stop, **greedy))[0]
+    late = engine.generate("def main():", SamplingParams(stop=stop, min_tokens=8, **greedy))[0]
+    assert len(early.token_ids) <= 3 and free.text.startswith(early.text)
+    assert len(late.token_ids) >= 8 and late.token_ids == free.token_ids[: len(late.token_ids)]
