@@ -9,6 +9,7 @@ import torch
 
 from specflow import SamplingParams, SpecEngine
 from specflow.models import load_model
+from specflow.penalties import History, Penalties
 from specflow.runtime.flashinfer_backend import flashinfer_available
 from specflow.runtime.model_runner import ModelRunner
 
@@ -54,18 +55,23 @@ def test_logits_match_transformers(setting):
 TIE = 0.25  # bfloat16 logit gap within which kernels summing in another order may pick either token
 
 
-def assert_lossless(outs, baseline, model, backend: str) -> None:
+def assert_lossless(outs, baseline, model, backend: str, params: SamplingParams | None = None) -> None:
     """Token for token equal to plain decoding. In bfloat16 the tree kernels and the decode kernel
     round differently, so a sequence may part from the baseline at a near-tie: there the two
-    tokens' logits (one plain forward over the shared prefix) must lie within ``TIE``, and the
-    rest of the sequence, which continues from another token, is not compared."""
+    tokens' logits (one plain forward over the shared prefix, adjusted by ``params``' penalties)
+    must lie within ``TIE``, and the rest of the sequence, which continues from another token, is
+    not compared."""
     for ours, theirs in zip(outs, baseline):
         if ours.token_ids == theirs.token_ids:
             continue
         assert model.lm_head.weight.dtype == torch.bfloat16, f"{ours.token_ids} != {theirs.token_ids}"
         i = next(i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b)
         runner = ModelRunner(model, num_pages=1024, backend=backend)
-        logits = runner.extend([0], [theirs.prompt_token_ids + theirs.token_ids[:i]], logits="last").logits[0]
+        logits = runner.extend([0], [theirs.prompt_token_ids + theirs.token_ids[:i]], logits="last").logits
+        if params is not None and params.adjusts_logits:
+            history = History(params, theirs.prompt_token_ids, theirs.token_ids[:i], set(params.stop_token_ids))
+            logits = Penalties.build([history], logits.shape[-1], logits.device).apply(logits[:, None])[:, 0]
+        logits = logits[0]
         gap = float(logits[theirs.token_ids[i]] - logits[ours.token_ids[i]])
         assert abs(gap) <= TIE, f"token {i}: {ours.token_ids[i]} instead of {theirs.token_ids[i]}, logit gap {gap}"
 
@@ -99,6 +105,23 @@ def test_medusa_static_tree_is_lossless(setting):
                         {"type": "static", "preset": "medusa_63"}, {"type": "greedy"},
                         device="cuda", dtype=dtype, backend=backend)
     assert_lossless(engine.generate(PROMPTS[:2], params), plain, engine.model, backend)
+
+
+PENALIZED = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logit_bias={13: 2.0},
+                 min_tokens=8)
+
+
+@pytest.mark.parametrize("drafter, tree", [("eagle", "eagle2"), ("ngram", "chain")])
+def test_penalties_are_lossless_on_the_gpu(plain, drafter, tree):
+    """Every node adjusted by its own path on the device, plain decoding's in-flight tokens counted
+    there: greedy output with penalties is plain decoding's with them."""
+    backend, target, _ = plain
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True, **PENALIZED) for p in GREEDY]
+    baseline = SpecEngine(target.model, tokenizer=target.tokenizer, backend=backend).generate(PROMPTS, params)
+    engine = SpecEngine(target.model, DRAFTERS[drafter], TREES[tree], {"type": "greedy"},
+                        tokenizer=target.tokenizer, backend=backend)
+    for ours, theirs, p in zip(engine.generate(PROMPTS, params), baseline, params):
+        assert_lossless([ours], [theirs], target.model, backend, p)
 
 
 @pytest.mark.parametrize("verifier", ["rejection", "typical", "threshold"])
@@ -135,15 +158,17 @@ def test_an_eagle2_step_waits_for_the_gpu_once(plain, verifier, temperature):
     assert waits["per_step"] <= 1, waits["sites"]
 
 
+@pytest.mark.parametrize("adjust", [{}, PENALIZED], ids=["plain", "penalized"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_plain_decoding_returns_before_the_gpu_is_done(plain, temperature):
+def test_plain_decoding_returns_before_the_gpu_is_done(plain, temperature, adjust):
     """Plain decoding runs one step ahead of the host: a step queues the next forward and its
-    sampling, then lands the last step's tokens, with no wait for the work it queued. A GPU
-    sleep queued first holds that work back, and the step must return before the sleep is over."""
+    sampling (penalties counting the token in flight on the device), then lands the last step's
+    tokens, with no wait for the work it queued. A GPU sleep queued first holds that work back,
+    and the step must return before the sleep is over."""
     backend, target, _ = plain
     engine = SpecEngine(target.model, tokenizer=target.tokenizer, backend=backend)
     rid = engine.add_request(target.encode(PROMPTS[0]), SamplingParams(temperature=temperature, max_tokens=32,
-                                                                       ignore_eos=True, seed=0))
+                                                                       ignore_eos=True, seed=0, **adjust))
     for _ in range(4):  # prefill, then steps that capture the decode graph
         engine.step()
     torch.cuda.synchronize()
