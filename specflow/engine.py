@@ -21,7 +21,8 @@ from specflow.runtime.attention import BACKENDS
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
+from specflow.sampling import (SamplingBatch, SamplingParams, TokenLogprob, logprob_rows, next_tokens,
+                               to_token_logprobs)
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
@@ -419,7 +420,8 @@ class SpecEngine:
             kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
-                logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
+                logprobs.append((req.logprobs, [out.offsets[b] + node for node in accepted[:kept]], new[:kept],
+                                 req.params.logprobs))
             if self.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
                                             new[-1], timings, len(batch)))
@@ -478,12 +480,14 @@ class SpecEngine:
         drawing = [reqs[b] for b in rows]
         first = next_tokens(self._adjusted(logits, self._penalties(drawing)), self._sampling(drawing))
         first = dict(zip(rows, first.tolist()))
+        self._add_prompt_logprobs([(b, r) for b, r in enumerate(reqs) if fresh[b] and r.prompt_logprobs is not None],
+                                  out)
         live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
             if f:
                 req.append([first[b]])
                 if req.logprobs is not None:
-                    logprobs.append((req, [b], [first[b]]))
+                    logprobs.append((req.logprobs, [b], [first[b]], req.params.logprobs))
             if not req.finished:
                 live.append((b, req, len(inputs[b])))
         self._add_logprobs(out.logits, logprobs)
@@ -497,20 +501,38 @@ class SpecEngine:
         return finished
 
     @staticmethod
-    def _add_logprobs(logits: Tensor, entries: list[tuple[Request, list[int], list[int]]]) -> None:
-        """Each entry (request, rows of ``logits``, the tokens committed there): the tokens'
-        logprobs appended to the request's, computed for the whole batch with one copy back."""
+    def _add_logprobs(logits: Tensor, entries: list[tuple[list[TokenLogprob], list[int], list[int], int]]) -> None:
+        """Each entry (a request's logprobs list, rows of ``logits``, the tokens those rows chose,
+        the alternatives it records): the tokens' logprobs appended to the list, computed for
+        the whole batch with one copy back."""
         if not entries:
             return
         rows, tokens = ([i for e in entries for i in e[k]] for k in (1, 2))
         rows, device_tokens = to_device([torch.tensor(rows), torch.tensor(tokens)], logits.device)
-        top_n = max(req.params.logprobs for req, _, _ in entries)
+        top_n = max(e[3] for e in entries)
         values = to_host(logprob_rows(logits[rows], device_tokens, top_n))          # [T], [T, n], [T, n]
         start = 0
-        for req, _, tokens in entries:
+        for logprobs, _, tokens, n in entries:
             end = start + len(tokens)
-            req.logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], req.params.logprobs)
+            logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], n)
             start = end
+
+    def _add_prompt_logprobs(self, reqs: list[tuple[int, Request]], out: ExtendOutput) -> None:
+        """The prompt logprobs of each (row of ``out``, request) prefilled: its prompt token i from
+        the logits of row i - 1, which the forward computed only the last of."""
+        if not reqs:
+            return
+        rows = [range(out.offsets[b], out.offsets[b + 1] - 1) for b, _ in reqs]     # each prompt but its last token
+        flat, = to_device([torch.tensor([i for r in rows for i in r], dtype=torch.long)], out.hidden.device)
+        logits = self.model.compute_logits(out.hidden[flat])                             # [P, V]
+        entries, start = [], 0
+        for (_, req), r in zip(reqs, rows):
+            req.prompt_logprobs.append(None)  # (the first token has no context)
+            if len(r):
+                entries.append((req.prompt_logprobs, list(range(start, start + len(r))), req.prompt_ids[1:],
+                                req.params.prompt_logprobs))
+            start += len(r)
+        self._add_logprobs(logits, entries)
 
     # ----------------------------------------------------------------------------------------
     # plain decoding, one step ahead of the host

@@ -31,6 +31,8 @@ class RequestOutput:
     accept_lengths: list[int]       # tokens committed by each step (accepted drafts + bonus)
     steps: list[StepRecord] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
+    # one per prompt token when SamplingParams.prompt_logprobs is set (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def mean_accept_length(self) -> float:
@@ -96,6 +98,7 @@ class Request:
         self.accept_lengths: list[int] = []
         self.steps: list[StepRecord] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text: str | None = None
@@ -155,4 +158,5 @@ class Request:
             text = self.stream.decode(self.output_ids) if self.finished else self.stream.text(self.output_ids)
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
                              self.finish_reason, list(self.accept_lengths), list(self.steps),
-                             None if self.logprobs is None else list(self.logprobs))
+                             None if self.logprobs is None else list(self.logprobs),
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

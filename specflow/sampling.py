@@ -20,6 +20,7 @@ _NUMBER, _INTEGER = ("a number", numbers.Real), ("an integer", numbers.Integral)
 _PARAM_TYPES = {"temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "top_k": _INTEGER, "max_tokens": _INTEGER,
                 "seed": ("an integer or None", (numbers.Integral, type(None))),
                 "logprobs": ("an integer or None", (numbers.Integral, type(None))),
+                "prompt_logprobs": ("an integer or None", (numbers.Integral, type(None))),
                 "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER, "repetition_penalty": _NUMBER,
                 "min_tokens": _INTEGER}
 
@@ -32,7 +33,8 @@ class SamplingParams:
     ``stop_token_ids`` end generation (the stop string itself is not returned); ``ignore_eos``
     keeps generating past the end-of-sequence token. ``logprobs=n`` records, for every committed
     token, its log-probability under the target and the ``n`` most likely alternatives
-    (``None``: not recorded).
+    (``None``: not recorded); ``prompt_logprobs=n`` does so for the prompt's tokens, each given
+    the ones before it (the first, which has none, gets None).
 
     ``logit_bias`` (token id -> value added to its logit), ``frequency_penalty``,
     ``presence_penalty``, ``repetition_penalty`` (1 = off) and ``min_tokens`` (stop tokens and
@@ -51,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -76,6 +79,8 @@ class SamplingParams:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}"),
             (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, got {self.frequency_penalty}"),
             (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, got {self.presence_penalty}"),
             (0 < self.repetition_penalty <= _FLOAT32_MAX,  # (the logits' arithmetic is float32)

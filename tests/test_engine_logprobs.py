@@ -51,6 +51,28 @@ def test_logprobs_are_the_targets_log_softmax(plain, tiny_target):
     assert all(lp.top == [] for lp in out.logprobs)
 
 
+def test_prompt_logprobs_are_the_targets_log_softmax_over_the_prompt(plain, speculative, tiny_target):
+    """Each prompt token given the ones before it (transformers over the prompt), the first None;
+    the same with a drafter, beside requests that ask for none, and for a one-token prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    asked = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    mixed = [asked, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), asked]
+    alone = plain.generate(PROMPTS[1:2], mixed[1])[0]
+    for engine in (plain, speculative):
+        outs = engine.generate(PROMPTS, mixed)
+        assert outs[1].prompt_logprobs is None and outs[1].token_ids == alone.token_ids
+        for prompt, out in zip(PROMPTS[::2], outs[::2]):
+            ids = torch.tensor(prompt)
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(ids[None]).logits[0, :-1].float(), -1)             # [P - 1, V]
+            assert out.prompt_logprobs[0] is None and [lp.token_id for lp in out.prompt_logprobs[1:]] == prompt[1:]
+            torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]]),
+                                       logp.gather(-1, ids[1:, None])[:, 0])
+            top = logp.topk(3)
+            assert [[t for t, _ in lp.top] for lp in out.prompt_logprobs[1:]] == top.indices.tolist()
+    assert engine.generate([[7]], asked)[0].prompt_logprobs == [None]
+
+
 def test_logprobs_follow_stop_truncation_and_are_off_by_default(speculative):
     free = speculative.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     assert free.logprobs is None

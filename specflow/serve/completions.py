@@ -88,23 +88,41 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompts = await self._prompt_ids(body)
+        # echo with max_tokens 0 scores the prompt: the engine still draws a token, which is not shown
+        generates, max_tokens = body.max_new_tokens > 0, max(1, body.max_new_tokens)
         for ids in prompts:
-            self._check_context(ids, body.max_new_tokens, "prompt", "max_tokens")
-        choices = [(ids, self._params(body, body.max_new_tokens, body.logprobs, i))
+            self._check_context(ids, max_tokens, "prompt", "max_tokens")
+        prompt_logprobs = body.logprobs if body.echo else None
+        choices = [(ids, self._params(body, max_tokens, body.logprobs, i, prompt_logprobs))
                    for ids in prompts for i in range(body.n)]
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
+        echoed = [p if isinstance(p, str) else self.loop.engine.decode(p) for p in body.prompts()] if body.echo else []
         offsets = collections.defaultdict(lambda: TextOffsets(self._bytes))   # choice -> its text offsets
+        started: set[int] = set()   # choices whose first chunk was sent (streaming)
+
+        def choice(index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                   finish_reason: str | None, prompt_logprobs: list[TokenLogprob | None] | None) -> CompletionChoice:
+            """What choice ``index`` shows of its new text, tokens and logprobs: nothing generated
+            when ``generates`` is off, the prompt first when ``prompt_logprobs`` (its first piece)."""
+            if not generates:
+                text, token_ids, logprobs = "", [], None if logprobs is None else []
+                finish_reason = None if finish_reason is None else "length"
+            if body.echo and index not in started:
+                started.add(index)
+                text, token_ids = echoed[index // body.n] + text, prompts[index // body.n] + token_ids
+                logprobs = None if logprobs is None else prompt_logprobs + logprobs
+            return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=None if logprobs is None
+                                    else self._completion_logprobs(token_ids, logprobs, offsets[index]))
 
         def chunk(d: Delta) -> CompletionResponse:
-            lp = self._completion_logprobs(d.logprobs, offsets, d.index) if d.logprobs is not None else None
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
-                CompletionChoice(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)])
+                choice(d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_logprobs)])
 
         def usage_chunk(outs: list[RequestOutput]) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                      usage=usage(outs, prompt_tokens))
+                                      usage=usage(outs if generates else [], prompt_tokens))
 
         if body.stream:
             return self._stream(sub, [], chunk, usage_chunk if _include_usage(body) else None)
@@ -112,11 +130,9 @@ class OpenAIServing:
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
         return _json_response(CompletionResponse(
-            id=rid, created=created, model=self.model_name, usage=usage(outs, prompt_tokens),
-            choices=[CompletionChoice(
-                index=i, text=o.text, finish_reason=o.finish_reason,
-                logprobs=None if o.logprobs is None else self._completion_logprobs(o.logprobs, offsets, i))
-                for i, o in enumerate(outs)]))
+            id=rid, created=created, model=self.model_name, usage=usage(outs if generates else [], prompt_tokens),
+            choices=[choice(i, o.text, o.token_ids, o.logprobs, o.finish_reason, o.prompt_logprobs)
+                     for i, o in enumerate(outs)]))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -235,7 +251,8 @@ class OpenAIServing:
             raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
                                 f"{e.start}), which is not valid Unicode text", param=param) from None
 
-    def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         """Choice ``choice``'s SamplingParams; a value they refuse (a ``min_tokens`` past the
         request's max tokens, a ``logit_bias`` token past the vocabulary) is a 400 naming it."""
         bias, vocab = body.token_bias(), self.loop.engine.model.config.vocab_size
@@ -246,7 +263,8 @@ class OpenAIServing:
             return SamplingParams(
                 temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
                 max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
-                ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs, logit_bias=bias,
+                ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, logit_bias=bias,
                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
         except ValueError as e:   # its message starts with the field's name
@@ -307,7 +325,7 @@ class OpenAIServing:
                     return
                 if d.output is not None:
                     outs[d.index] = d.output
-                if (d.text or d.finish_reason or d.logprobs) and (c := chunk(d)) is not None:
+                if (d.text or d.finish_reason or d.logprobs or d.prompt_logprobs) and (c := chunk(d)) is not None:
                     yield sse(c)
             if final is not None:
                 yield sse(final([outs[i] for i in range(len(sub.choices))]))
@@ -321,15 +339,16 @@ class OpenAIServing:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
         return self._token_text[token_id]
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob], offsets: dict[int, TextOffsets],
-                             index: int) -> CompletionLogprobs:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None],
+                             offsets: TextOffsets) -> CompletionLogprobs:
         """Legacy completions format: each token's string, log-probability, top alternatives
-        (plus the chosen token) keyed by string, and its character offset in the completion."""
-        tokens = [self._text(lp.token_id) for lp in logprobs]
+        (plus the chosen token) keyed by string, and its character offset in the choice's text
+        (``offsets``, which walks it); None for an echoed prompt's first token."""
+        tokens = [self._text(t) for t in token_ids]
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs],
-            text_offset=[offsets[index](lp.token_id) for lp in logprobs],
-            top_logprobs=[{**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
+            tokens=tokens, token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
+            text_offset=[offsets(t) for t in token_ids],
+            top_logprobs=[None if lp is None else {**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
                           for tok, lp in zip(tokens, logprobs)])
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:

@@ -36,6 +36,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # on a choice's first delta, when recorded
 
 
 class Submission:
@@ -209,6 +210,7 @@ class EngineLoop:
         piece = text[st.sent_chars:end]
         st.sent_chars = end
         logprobs = None if out.logprobs is None else out.logprobs[st.sent_tokens:]
+        prompt_logprobs = out.prompt_logprobs if st.sent_tokens == 0 else None
         for accept_length in out.accept_lengths[st.seen_steps:]:
             self.metrics.accept_length.observe(accept_length)
         self.metrics.generation_tokens.inc(len(new_ids))
@@ -216,7 +218,7 @@ class EngineLoop:
         if done:
             self.metrics.finished.labels(out.finish_reason).inc()
         self._send(st, Delta(st.index, piece, new_ids, logprobs, out.finish_reason if done else None,
-                             out if done else None))
+                             out if done else None, prompt_logprobs))
 
     @staticmethod
     def _send(st: _Stream, delta: Delta) -> None:

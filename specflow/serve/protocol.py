@@ -104,9 +104,9 @@ class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
+    echo: bool = False   # the prompt before the completion (with logprobs: the prompt's too)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=0)   # 0 with echo: score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
     best_of: Literal[1] | None = None   # OpenAI's default; more candidates per choice are not supported
 
     @field_validator("prompt")
@@ -114,6 +114,13 @@ class CompletionRequest(SamplingFields):
     def _prompt_not_empty(cls, v):
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_with_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, which returns the prompt alone)")
         return v
 
     @property
@@ -301,8 +308,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -172,6 +172,36 @@ def test_any_int64_seed_wraps_into_the_generator_range(client):
     assert client.completions.create(seed=0, **kwargs).choices[0].text == many.choices[1].text
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
+    """``echo`` with ``logprobs`` returns the prompt's tokens and logprobs (the first None) before
+    the completion's, as lm-evaluation-harness's loglikelihood requests read them; ``max_tokens=0``
+    returns the prompt alone. Streamed, the prompt comes in the first chunk."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    ref = reference.generate([PROMPTS[2]], params)[0]
+    n_prompt = len(ref.prompt_token_ids)
+    scored = client.completions.create(model=MODEL, prompt=PROMPTS[2], echo=True, max_tokens=0, logprobs=2,
+                                       temperature=0.0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[2] and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == n_prompt and choice.logprobs.token_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(choice.logprobs.token_logprobs[1:]),
+                               torch.tensor([lp.logprob for lp in ref.prompt_logprobs[1:]]))
+    assert choice.logprobs.top_logprobs[0] is None and all(len(t) in (2, 3) for t in choice.logprobs.top_logprobs[1:])
+    body = dict(model=MODEL, prompt=PROMPTS[2], echo=True, logprobs=2, temperature=0.0, max_tokens=4,
+                extra_body={"ignore_eos": True})
+    full = client.completions.create(**body).choices[0]
+    assert full.text == PROMPTS[2] + ref.text and len(full.logprobs.tokens) == n_prompt + 4
+    assert full.logprobs.text_offset[n_prompt] == len(PROMPTS[2])
+    torch.testing.assert_close(torch.tensor(full.logprobs.token_logprobs[n_prompt:]),
+                               torch.tensor([lp.logprob for lp in ref.logprobs]), **FLOAT32_SUMS)
+    chunks = list(client.completions.create(stream=True, **body))
+    assert chunks[0].choices[0].text.startswith(PROMPTS[2])
+    assert "".join(c.choices[0].text for c in chunks) == full.text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == full.logprobs.token_logprobs
+    without = client.completions.create(model=MODEL, prompt=[5, 6, 7], echo=True, max_tokens=2, temperature=0.0)
+    assert without.choices[0].text.startswith(reference.decode([5, 6, 7])) and without.choices[0].logprobs is None
+
+
 # a tree's forward and a decode step sum in other orders: float32 logprobs differ by ~1e-5 (torch 2.5)
 FLOAT32_SUMS = dict(atol=1e-4, rtol=1e-5)
 
