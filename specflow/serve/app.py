@@ -159,9 +159,10 @@ NOT_AN_OBJECT = "the request body must be a JSON object (with Content-Type: appl
 
 def decode_body(model: type[Body], raw: bytes, content_type: str | None) -> Body:
     """A request body as ``model``: JSON-decoded and validated, else a 400 naming each bad field
-    (or the JSON syntax error)."""
+    (or the JSON syntax error). A body without a Content-Type is read as JSON, as FastAPI (vLLM,
+    SGLang) reads it: ``requests.post(url, data=json.dumps(body))`` sends none."""
     media_type = (content_type or "").split(";")[0].strip().lower()
-    if not raw or not (media_type == "application/json" or
+    if not raw or not (media_type in ("", "application/json") or
                        media_type.startswith("application/") and media_type.endswith("+json")):
         raise ApiError(400, NOT_AN_OBJECT)
     try:

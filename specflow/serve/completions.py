@@ -312,17 +312,20 @@ class OpenAIServing:
     async def _events(self, sub: Submission, first: list[BaseModel], chunk: Callable[[Delta], BaseModel | None],
                       final: Callable[[list[RequestOutput]], BaseModel] | None) -> AsyncIterator[str]:
         """Server-sent events until every choice finished, then ``[DONE]``; a delta that ``chunk``
-        turns into None sends nothing. If the client goes away, Starlette cancels this generator
-        mid-await and ``finally`` aborts the requests at once."""
+        turns into None sends nothing. The ``first`` chunks (the chat role) go out with the first
+        delta, as vLLM and SGLang send them: clients time the first token by the first chunk, and
+        a request may wait in the queue for long. If the client goes away, Starlette cancels this
+        generator mid-await and ``finally`` aborts the requests at once."""
         outs: dict[int, RequestOutput] = {}
         try:
-            for c in first:
-                yield sse(c)
             while len(outs) < len(sub.choices):
                 d = await sub.deltas.get()
                 if d.finish_reason == "error":
                     yield sse(error_body("the engine failed while generating; see the server log", "server_error"))
                     return
+                for c in first:
+                    yield sse(c)
+                first = []
                 if d.output is not None:
                     outs[d.index] = d.output
                 if (d.text or d.finish_reason or d.logprobs or d.prompt_logprobs) and (c := chunk(d)) is not None:

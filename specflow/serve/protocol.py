@@ -161,6 +161,15 @@ class ToolCall(_Strict):
             "name": self.function.name, "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
+class ToolCallParam(ToolCall):
+    """A call of an assistant message in a request. ``index`` is a streaming field: the openai
+    client's stream accumulation (``client.chat.completions.stream``) leaves it on each call of
+    the message it builds, which agent loops send back as they got it; it is ignored, as vLLM
+    ignores it."""
+
+    index: int | None = None
+
+
 class ChatMessage(_Strict):
     """One message of a conversation. ``tool_calls`` (assistant) and ``tool_call_id`` (tool) carry
     a tool-use conversation to the chat template."""
@@ -168,7 +177,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
@@ -231,6 +240,20 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: "text" (the default) is what the model writes anyway; JSON
+    mode and JSON schemas would need guided decoding, so they are refused, naming that."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"response_format '{self.type}' {NO_GUIDED_DECODING}; leave it 'text'")
+        return self
+
+
 class ChatCompletionRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions``; ``max_tokens`` defaults to the rest of the context.
 
@@ -247,6 +270,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # after tools: its check reads them
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None   # "text" only
 
     @field_validator("tools")
     @classmethod

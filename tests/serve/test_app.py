@@ -68,6 +68,13 @@ BAD = [
     ("logit_bias value > 100", "completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("logit_bias token past the vocabulary", "completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("best_of > 1", "completions", {**GOOD, "best_of": 2}, 400, "best_of"),
+    ("response_format json_object", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "response_format": {"type": "json_object"}},
+     400, "response_format 'json_object' needs guided decoding"),
+    ("response_format json_schema", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "response_format": {"type": "json_schema", "json_schema": {
+                                                             "name": "answer", "schema": {"type": "object"}}}},
+     400, "response_format 'json_schema' needs guided decoding"),
     ("stream_options without stream", "completions", {**GOOD, "stream_options": {"include_usage": True}},
      400, "stream_options"),
     ("top_logprobs without logprobs", "chat/completions",
@@ -143,6 +150,14 @@ def test_a_body_must_be_sent_as_json(server, content_type):
     assert response.status_code == 400 and "must be a JSON object" in response.json()["error"]["message"]
     assert post(server.url, "completions", GOOD, "application/json; charset=utf-8").status_code == 200
     assert post(server.url, "completions", GOOD, "application/vnd.api+json").status_code == 200
+
+
+def test_a_body_without_content_type_is_read_as_json(server):
+    """As FastAPI (vLLM, SGLang) reads it: `requests.post(url, data=json.dumps(body))` sends no
+    Content-Type."""
+    response = httpx.post(server.url + "/v1/completions", content=json.dumps(GOOD).encode(), headers=AUTH)
+    assert "content-type" not in response.request.headers
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
 
 
 def test_chunked_body_over_the_limit_is_413(server):
@@ -234,8 +249,12 @@ def test_null_parameters_take_their_defaults(client):
     assert len(out.choices) == 1 and out.usage.completion_tokens == 2
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=None, max_completion_tokens=2, logprobs=None,
-                                          top_logprobs=None, **nulls)
+                                          top_logprobs=None, response_format=None, **nulls)
     assert len(chat.choices) == 1 and chat.usage.completion_tokens == 2 and chat.choices[0].logprobs is None
+    # OpenAI's default response format, plain text, is what the server generates
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_completion_tokens=2, response_format={"type": "text"})
+    assert chat.usage.completion_tokens == 2
 
 
 def test_api_key(server):

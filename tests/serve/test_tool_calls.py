@@ -133,3 +133,19 @@ def test_bad_tool_parameters_are_400s_naming_them(scripted_server, name, body, p
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_a_streamed_turn_goes_back_into_the_conversation(client):
+    """The usual agent loop over the openai client's stream helper: the accumulated assistant
+    message goes back into ``messages`` as it is, with the ``index`` its stream accumulation
+    leaves on each tool call (a streaming field, ignored in a request as vLLM ignores it)."""
+    with client.chat.completions.stream(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, temperature=0.0) as stream:
+        for _ in stream:
+            pass
+        turn = stream.get_final_completion().choices[0].message
+    assert calls_of(turn) == [GET_WEATHER, GET_TIME]
+    assert turn.tool_calls[0].model_dump()["index"] == 0   # what the client sends back
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in turn.tool_calls]
+    out = client.chat.completions.create(model=MODEL, messages=[*ASK_WEATHER, turn, *results], tools=TOOLS,
+                                         max_tokens=4)
+    assert out.choices[0].finish_reason == "stop"   # no script follows the tool's "ok": EOS
