@@ -2,7 +2,7 @@
 
 Request models are strict and closed: a wrong type, an out-of-range value or an unknown field is
 a 400 that names the field. Extensions beyond OpenAI's parameters: ``top_k``, ``min_p``,
-``ignore_eos``, ``repetition_penalty``, ``min_tokens`` (vLLM's meanings) and ``speculative``
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens`` (vLLM's meanings) and ``speculative``
 (``false`` decodes this request without a drafter) in requests,
 and ``usage.accept_length`` (tokens committed per speculative step) in responses.
 """
@@ -45,6 +45,7 @@ class SamplingFields(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, lt=2**31)
+    stop_token_ids: list[int] | None = None   # vLLM's: token ids that end a choice, as stop strings do
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-2**63, lt=2**63)   # any int64, as OpenAI and vLLM take
     stop: str | list[str] | None = None
@@ -75,10 +76,8 @@ class SamplingFields(_Strict):
 
     @field_validator("top_k")
     @classmethod
-    def _top_k_not_zero(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("top_k must be -1 (off) or >= 1")
-        return v
+    def _top_k_zero_is_off(cls, v: int) -> int:
+        return -1 if v == 0 else v   # 0 or -1: every token, as vLLM reads them
 
     @field_validator("stop")
     @classmethod

@@ -76,6 +76,15 @@ def test_penalties_and_logit_bias_equal_plain_decoding_with_them(client, referen
         assert texts == [ref.text]
 
 
+def test_stop_token_ids_end_a_choice(client, reference):
+    free = reference.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    stop = free.token_ids[5]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0.0, max_tokens=16, logprobs=0,
+                                    extra_body={"stop_token_ids": [stop], "top_k": 0})
+    assert out.choices[0].finish_reason == "stop"
+    assert len(out.choices[0].logprobs.tokens) == free.token_ids.index(stop) + 1
+
+
 def test_prompt_as_token_ids_and_batch_of_prompts(client, reference):
     ids = [reference.encode(p) for p in PROMPTS]
     out = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
