@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -48,12 +49,12 @@ def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device,
 
 
 def check_runtime(backend: str, page_size: int, kv_cache_tokens: int, max_batch_size: int,
-                  spec_max_batch_size: int | None) -> None:
+                  spec_max_batch_size: int | None, max_prefill_tokens: int | None) -> None:
     """Fail on a bad runtime setting before the target loads."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
     for key, value in (("page_size", page_size), ("kv_cache_tokens", kv_cache_tokens),
-                       ("max_batch_size", max_batch_size)):
+                       ("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens or 1)):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if spec_max_batch_size is not None and spec_max_batch_size < 0:
@@ -95,12 +96,13 @@ class SpecEngine:
                  verifier: Any = None, *, tokenizer: Any = None,
                  device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "auto",
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
-                 spec_max_batch_size: int | None = None, cuda_graphs: bool | None = None,
-                 record_steps: bool = False, check_drafts: bool = False):
+                 spec_max_batch_size: int | None = None, max_prefill_tokens: int | None = 16384,
+                 cuda_graphs: bool | None = None, record_steps: bool = False, check_drafts: bool = False):
         tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
             drafter, tree if tree is not None else {"type": "chain"},
             verifier if verifier is not None else {"type": "rejection"})
-        check_runtime(backend, page_size, kv_cache_tokens, max_batch_size, spec_max_batch_size)
+        check_runtime(backend, page_size, kv_cache_tokens, max_batch_size, spec_max_batch_size,
+                      max_prefill_tokens)
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
             self.model, self.tokenizer = target, tokenizer
             param = next(target.parameters())
@@ -131,7 +133,7 @@ class SpecEngine:
         num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
         if cuda_graphs:
             self.runner.enable_graphs(max_batch_size, num_draft_tokens)
-        self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens)
+        self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens, max_prefill_tokens)
         self.spec_max_batch_size = spec_max_batch_size
         self.record_steps = record_steps
         self.check_drafts = check_drafts
@@ -144,10 +146,8 @@ class SpecEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
-        return cls(cfg.target, cfg.drafter, cfg.tree, cfg.verifier, device=cfg.device, dtype=cfg.dtype,
-                   backend=cfg.backend, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
-                   max_batch_size=cfg.max_batch_size, spec_max_batch_size=cfg.spec_max_batch_size,
-                   cuda_graphs=cfg.cuda_graphs, record_steps=cfg.record_steps, check_drafts=cfg.check_drafts)
+        node = dataclasses.asdict(cfg)
+        return cls(node.pop("target"), **node)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":

@@ -67,7 +67,8 @@ class Penalties:
         prompt_rows, prompt_ids = _flat({i: rows[i].prompt_ids for i in counted if params[i].repetition_penalty != 1})
         bias_rows, bias_ids = _flat({i: params[i].logit_bias for i in biased})
         bias_values = np.array([x for i in biased for x in params[i].logit_bias.values()], dtype=np.float32)
-        held_rows, held_ids = _flat({i: h.stop_ids for i, h in enumerate(rows) if h.params.min_tokens > len(h.output_ids)})
+        holding = [i for i, h in enumerate(rows) if h.params.min_tokens > len(h.output_ids)]
+        held_rows, held_ids = _flat({i: rows[i].stop_ids for i in holding})
         scalars = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                            dtype=np.float32).reshape(b, 3)                                  # [B, 3]
         to_min = np.array([h.params.min_tokens - len(h.output_ids) for h in rows], dtype=np.int64)

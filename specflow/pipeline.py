@@ -18,8 +18,10 @@ class EngineConfig:
     """Everything ``SpecEngine`` needs; the top level of an engine YAML.
 
     ``drafter: null`` is plain autoregressive decoding. ``spec_max_batch_size`` turns
-    speculation off for steps whose batch is larger (None: never). ``cuda_graphs`` replays
-    decode and verification steps from CUDA graphs (None: on when the device is CUDA).
+    speculation off for steps whose batch is larger (None: never). ``max_prefill_tokens`` bounds
+    the prompt tokens one step prefills (a longer prompt runs alone; None: no bound).
+    ``cuda_graphs`` replays decode and verification steps from CUDA graphs (None: on when the
+    device is CUDA).
     """
 
     target: str = "???"
@@ -33,6 +35,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     max_batch_size: int = 32
     spec_max_batch_size: int | None = None
+    max_prefill_tokens: int | None = 16384
     cuda_graphs: bool | None = None
     record_steps: bool = False
     check_drafts: bool = False     # check every drafted tree (structure, token ids, q): for new drafters

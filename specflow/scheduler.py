@@ -18,12 +18,18 @@ class Scheduler:
     running batch speculates in (vLLM's lookahead slots), which would turn every step plain. When
     even a plain step runs out of pages, the newest running request is preempted: its KV is freed
     and it goes back to the front of the queue, to be recomputed from its tokens later.
+
+    One step prefills at most ``max_prefill_tokens`` tokens (SGLang's ``max_prefill_tokens``; a
+    longer prompt alone), so that a burst of long prompts neither stalls the running requests'
+    steps for one huge forward nor needs its activations at once.
     """
 
-    def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int):
+    def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int,
+                 max_prefill_tokens: int | None = None):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.num_draft_tokens = num_draft_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -39,9 +45,13 @@ class Scheduler:
         n = self.num_draft_tokens
         ids = [r.id for r in self.running]
         lens = [r.seq_len - 1 + n for r in self.running]  # K/V of all but the root, then a tree from it
+        prefill = 0  # tokens this step prefills: each prompt (a resumed sequence but its root, one fewer)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             head = self.waiting[0]
             lookahead = n if self.running or admitted else 1
+            prefill += head.seq_len
+            if admitted and self.max_prefill_tokens is not None and prefill > self.max_prefill_tokens:
+                break
             if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
                 break
             ids.append(head.id)

@@ -97,6 +97,18 @@ def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, e
         small.add_request(list(range(1, 100)), GREEDY)
 
 
+def test_a_prefill_bound_spreads_admission_over_steps_without_changing_results(tiny_target, engine):
+    expected = [o.token_ids for o in engine.generate(PROMPTS * 2, GREEDY)]
+    bounded = SpecEngine(engine.model, {"type": "ngram"}, tokenizer=engine.tokenizer, max_prefill_tokens=10)
+    prefilled = []
+    extend = bounded.runner.extend
+    bounded.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and prefilled.append(
+        sum(map(len, tokens)))) or extend(ids, tokens, **kw)
+    assert [o.token_ids for o in bounded.generate(PROMPTS * 2, GREEDY)] == expected
+    # prompts of 9, 5 and 12 tokens: 9 + 5 pass the bound, 12 alone does but runs alone
+    assert prefilled == [9, 5, 12, 9, 5, 12]
+
+
 def test_abort_frees_pages(engine):
     rid = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()

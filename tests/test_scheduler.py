@@ -23,3 +23,15 @@ def test_a_newcomer_leaves_the_running_requests_their_next_trees():
         scheduler.add(request(1, 10))
         # running: 9 cached + its tree of N -> N more pages; the newcomer: 10 + N
         assert bool(scheduler.admit()) == admitted, pages
+
+
+def test_one_step_prefills_at_most_max_prefill_tokens():
+    scheduler = Scheduler(PagedKVCache(1, 1, 8, num_pages=1000), max_batch_size=8, num_draft_tokens=N,
+                          max_prefill_tokens=20)
+    short = [request(i, 10) for i in range(3)]   # 10 prompt tokens to prefill each
+    long = request(3, 50)
+    for r in [*short, long]:
+        scheduler.add(r)
+    assert scheduler.admit() == short[:2]
+    assert scheduler.admit() == short[2:]        # the long prompt would pass the bound beside it
+    assert scheduler.admit() == [long]           # alone it runs, past the bound

@@ -97,7 +97,8 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
         raise ConfigError(f"batch_size and repeats must be >= 1 and warmup >= 0, got {cfg.batch_size}, "
                           f"{cfg.repeats} and {cfg.warmup}")
     e = cfg.engine
-    check_runtime(e.backend, e.page_size, e.kv_cache_tokens, cfg.batch_size, e.spec_max_batch_size)
+    check_runtime(e.backend, e.page_size, e.kv_cache_tokens, cfg.batch_size, e.spec_max_batch_size,
+                  e.max_prefill_tokens)
     resolve_device(e.device, e.dtype)
     try:
         sampling_params(cfg.sampling, 0)
