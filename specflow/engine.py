@@ -173,9 +173,10 @@ class SpecEngine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), the target's vocabulary")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is not in [0, {vocab}), "
-                             f"the target's vocabulary")
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)  # (specflow.penalties indexes with them)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is not in [0, {vocab}), the target's vocabulary")
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")

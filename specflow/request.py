@@ -139,13 +139,15 @@ class Request:
         return kept
 
     def _hit_stop_string(self) -> bool:
-        # a new match must end inside the newest token's text, so search from just before it
+        # a new match must end inside the newest token's text, so each stop string is searched
+        # from just before it; while min_tokens holds stop tokens back (specflow.penalties), the
+        # text of the first min_tokens tokens ends no match (as vLLM's detokenizer has it)
         text = self.stream.exact(self.output_ids)
-        start = max(0, self._checked_len - max(len(s) for s in self.params.stop) + 1)
+        checked = self._checked_len
         self._checked_len = len(text.rstrip("\ufffd"))  # a half-decoded character may still change
-        if len(self.output_ids) < self.params.min_tokens:  # (stop tokens wait too: specflow.penalties)
+        if len(self.output_ids) <= self.params.min_tokens:
             return False
-        hits = [at for at in (text.find(s, start) for s in self.params.stop) if at >= 0]
+        hits = [at for at in (text.find(s, max(0, checked - len(s) + 1)) for s in self.params.stop) if at >= 0]
         if hits:
             self.text = text[:min(hits)]
         return bool(hits)

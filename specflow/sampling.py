@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import random
 from dataclasses import dataclass, field, replace
@@ -15,7 +14,7 @@ from torch import Tensor
 from specflow.runtime.transfer import to_device
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_MAX, _FLOAT32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 _NUMBER, _INTEGER = ("a number", numbers.Real), ("an integer", numbers.Integral)
 _PARAM_TYPES = {"temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "top_k": _INTEGER, "max_tokens": _INTEGER,
                 "seed": ("an integer or None", (numbers.Integral, type(None))),
@@ -81,14 +80,18 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              f"prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}"),
-            (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, got {self.frequency_penalty}"),
-            (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, got {self.presence_penalty}"),
-            (0 < self.repetition_penalty <= _FLOAT32_MAX,  # (the logits' arithmetic is float32)
-             f"repetition_penalty must be > 0 and at most {_FLOAT32_MAX:.4g} (1 = off), got {self.repetition_penalty}"),
+            # (the logits' arithmetic is float32: a value past it is inf, and inf x a count of 0 NaN)
+            (_float32(self.frequency_penalty),
+             f"frequency_penalty must be finite in float32 (|x| <= {_FLOAT32_MAX:.4g}), got {self.frequency_penalty}"),
+            (_float32(self.presence_penalty),
+             f"presence_penalty must be finite in float32 (|x| <= {_FLOAT32_MAX:.4g}), got {self.presence_penalty}"),
+            (_FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX,
+             f"repetition_penalty must be in [{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}] (1 = off), "
+             f"got {self.repetition_penalty}"),
             (0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"),
             (self.logit_bias is None or _is_bias(self.logit_bias),
-             f"logit_bias must map token ids (integers >= 0) to finite numbers, got {self.logit_bias!r}"),
+             f"logit_bias must map token ids (integers >= 0) to numbers finite in float32, got {self.logit_bias!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -109,11 +112,16 @@ class SamplingParams:
         return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
 
 
+def _float32(x: float) -> bool:
+    """Whether ``x`` is finite as a float32 (NaN is not)."""
+    return abs(x) <= _FLOAT32_MAX
+
+
 def _is_bias(bias) -> bool:
-    """Whether ``bias`` maps token ids (integers >= 0) to finite numbers."""
+    """Whether ``bias`` maps token ids (integers >= 0) to numbers finite in float32."""
     return isinstance(bias, dict) and all(
         isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
-        and isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for t, x in bias.items())
+        and isinstance(x, numbers.Real) and not isinstance(x, bool) and _float32(x) for t, x in bias.items())
 
 
 @dataclass(slots=True)

@@ -173,3 +173,45 @@ def test_stop_strings_wait_for_min_tokens(tiny_target):
     late = engine.generate("def main():", SamplingParams(stop=stop, min_tokens=8, **greedy))[0]
     assert len(early.token_ids) <= 3 and free.text.startswith(early.text)
     assert len(late.token_ids) >= 8 and late.token_ids == free.token_ids[: len(late.token_ids)]
+
+
+@pytest.mark.parametrize("longer", [False, True])
+def test_a_stop_string_that_ends_within_min_tokens_does_not_stop(tiny_target, longer):
+    """vLLM (v1/engine/detokenizer.py) checks stop strings only once more than min_tokens tokens
+    were generated, and only in the text that came after the min_tokens-th token, as min_tokens
+    holds stop tokens back until then: one completed by token min_tokens or earlier never stops
+    (a shorter stop string beside a longer one neither)."""
+    engine = SpecEngine(tiny_target, kv_cache_tokens=2048, device="cpu", dtype="float32")
+    greedy = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    free = engine.generate("def main():", SamplingParams(**greedy))[0]
+    k, stop = next((i + 1, s) for i, s in enumerate(engine.decode([t]) for t in free.token_ids)
+                   if s.isprintable() and "\ufffd" not in s and free.text.count(s) == 1)
+    stops = [stop, "a stop string it never writes"] if longer else [stop]
+    assert len(engine.generate("def main():", SamplingParams(stop=stops, min_tokens=k - 1, **greedy))[0].token_ids) == k
+    held = engine.generate("def main():", SamplingParams(stop=stops, min_tokens=k, **greedy))[0]
+    assert held.token_ids == free.token_ids and held.text == free.text and held.finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [dict(frequency_penalty=1e39), dict(presence_penalty=-1e39), dict(logit_bias={3: 1e39}),
+                                 dict(repetition_penalty=1e-46)])
+def test_values_the_float32_logits_cannot_hold_are_refused(bad):
+    """A penalty past float32's range becomes inf in the logits' arithmetic, and inf x a count of
+    0 is NaN at every token (a repetition penalty rounding to 0 divides by it): the request
+    would decode token 0 after token 0. They are refused, naming the field."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(max_tokens=8, **bad)
+    for ok in (dict(frequency_penalty=2.0, presence_penalty=-2.0, logit_bias={3: 100.0}, repetition_penalty=1e-3),
+               dict(frequency_penalty=3e38, repetition_penalty=1e-30)):
+        SamplingParams(max_tokens=8, **ok)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_target):
+    """min_tokens holds stop tokens back by indexing [B, V] tensors with their ids: one past the
+    vocabulary made every later step raise IndexError (on CUDA a device-side assert), a negative
+    one held back token V - 1 instead. The engine refuses them as it refuses such logit_bias ids."""
+    engine = SpecEngine(tiny_target, kv_cache_tokens=256, device="cpu", dtype="float32")
+    for bad in (320, -1):
+        with pytest.raises(ValueError, match=f"stop_token_ids token id {bad} is not in"):
+            engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, bad], min_tokens=2, max_tokens=4))
+    assert not engine.has_unfinished()
+    assert len(engine.generate([[1, 2]], SamplingParams(stop_token_ids=[5], min_tokens=2, max_tokens=4))[0].token_ids) >= 3

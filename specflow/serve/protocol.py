@@ -64,8 +64,8 @@ class SamplingFields(_Strict):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (v or {}).items():
-            if not (token.isascii() and token.isdigit()):
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not (token.isascii() and token.isdigit() and len(token) <= 18):  # (int() refuses 4301 digits)
+                raise ValueError(f"logit_bias keys are token ids (at most 18 digits), got {token[:40]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {bias} for token {token}")
         return v

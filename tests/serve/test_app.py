@@ -69,6 +69,8 @@ BAD = [
                                                         "logit_bias": {"a5": 10}}, 400, "logit_bias"),
     ("logit_bias value > 100", "completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("logit_bias token past the vocabulary", "completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("logit_bias token id past int's digits", "completions", {**GOOD, "logit_bias": {"9" * 5000: 1}}, 400,
+     "logit_bias"),
     ("best_of > 1", "completions", {**GOOD, "best_of": 2}, 400, "best_of"),
     ("response_format json_object", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                          "response_format": {"type": "json_object"}},
