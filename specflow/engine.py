@@ -381,7 +381,9 @@ class SpecEngine:
         sampling, penalties = self._sampling(batch, drafted=drafted), self._penalties(batch)
         if tree.num_nodes > 1:
             logits = self._tree_logits(tree, out)                                  # [B, N, V]
-            return self.verifier.verify(tree, logits if penalties is None else penalties.apply(logits, tree), sampling)
+            if penalties is not None:  # every node by its own path
+                logits = penalties.apply(logits, tree)
+            return self.verifier.verify(tree, logits, sampling)
         bonus = next_tokens(self._adjusted(out.logits, penalties), sampling)
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
@@ -580,10 +582,10 @@ class SpecEngine:
             where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.device)
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
-        penalties = self._penalties(batch)
+        in_flight, penalties = [i >= 0 for i in rows], self._penalties(batch)
         if penalties is not None and ahead is not None:  # the roots in flight are generated tokens too
-            penalties = penalties.after(roots, to_device([torch.tensor([i >= 0 for i in rows])], self.device)[0])
-        tokens = next_tokens(self._adjusted(out.logits, penalties), self._sampling(batch, [i >= 0 for i in rows]))  # [B]
+            penalties = penalties.after(roots, to_device([torch.tensor(in_flight)], self.device)[0])
+        tokens = next_tokens(self._adjusted(out.logits, penalties), self._sampling(batch, in_flight))  # [B]
         top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
         logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
         return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)

@@ -1,24 +1,27 @@
 """Logit adjustments that depend on a request's history: OpenAI's ``logit_bias``,
 ``frequency_penalty`` and ``presence_penalty``, the repetition penalty of CTRL (Keskar et al.,
 2019; Hugging Face's and vLLM's ``repetition_penalty``) and vLLM's ``min_tokens``. They apply to
-the target's raw logits, before temperature and the truncations (``target_probs``), in vLLM's
-order:
+the target's raw logits, before temperature and the truncations (``target_probs``), as vLLM
+applies them (its min_tokens and logit_bias processors, then its penalties; the first two commute):
 
-    l += bias[t]                                                     logit_bias
     l = -inf at stop tokens while fewer than min_tokens tokens were generated       min_tokens
-    l = l / r if l > 0 else l * r, at tokens of the prompt or the output       repetition_penalty r
-    l -= f * count(t) + p * [count(t) > 0], counting the output                frequency f, presence p
+    l += bias[t]                                                                    logit_bias
+    l = l / r if l > 0 else l * r, at tokens of the prompt or the output            repetition_penalty r
+    l -= f * count(t) + p * [count(t) > 0], counting the output                     frequency f, presence p
 
 A tree node's logits choose the token after its path, so its history is the request's sequence
 followed by the nodes of its path below the root (the root is the sequence's last token):
 ``Penalties.apply`` adjusts every node by its own path, and a verifier tests each draft against
 the distribution plain decoding draws from at that point. Losslessness carries over unchanged;
 drafters draft from their own, unadjusted, distributions.
+
+``Penalties.build`` lays a batch's histories out again every step (host work linear in their
+tokens), and ``apply`` makes a few [B, N, V] tensors, as ``target_probs`` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +43,7 @@ class History:
     stop_ids: set[int]     # the tokens ``min_tokens`` holds back (eos unless ignored, stop_token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class Penalties:
     """One batch's adjustments, on the device of the logits they adjust."""
 
@@ -54,7 +57,7 @@ class Penalties:
     presence: Tensor      # [B] float32
 
     @staticmethod
-    def build(rows: list[History], vocab: int, device: torch.device) -> "Penalties | None":
+    def build(rows: list[History], vocab: int, device: torch.device) -> Penalties | None:
         """The batch's adjustments (None when no row has any: the batch samples as it would
         without). Rows without adjustments get all-neutral ones, which leave their logits' bits
         as they are."""
@@ -63,32 +66,31 @@ class Penalties:
         b, params = len(rows), [h.params for h in rows]
         counted = [i for i, p in enumerate(params) if p.penalizes]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        out_rows, out_ids = _flat({i: rows[i].output_ids for i in counted})
-        prompt_rows, prompt_ids = _flat({i: rows[i].prompt_ids for i in counted if params[i].repetition_penalty != 1})
-        bias_rows, bias_ids = _flat({i: params[i].logit_bias for i in biased})
-        bias_values = np.array([x for i in biased for x in params[i].logit_bias.values()], dtype=np.float32)
         holding = [i for i, h in enumerate(rows) if h.params.min_tokens > len(h.output_ids)]
-        held_rows, held_ids = _flat({i: rows[i].stop_ids for i in holding})
+        at = [_flat({i: rows[i].output_ids for i in counted}),                          # [2, n] (row, token id) each
+              _flat({i: rows[i].prompt_ids for i in counted if params[i].repetition_penalty != 1}),
+              _flat({i: params[i].logit_bias for i in biased}),
+              _flat({i: rows[i].stop_ids for i in holding})]
+        bias_values = np.array([x for i in biased for x in params[i].logit_bias.values()], dtype=np.float32)
         scalars = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                            dtype=np.float32).reshape(b, 3)                                  # [B, 3]
         to_min = np.array([h.params.min_tokens - len(h.output_ids) for h in rows], dtype=np.int64)
-        (out_rows, out_ids, prompt_rows, prompt_ids, bias_rows, bias_ids, bias_values, held_rows, held_ids,
-         scalars, to_min) = to_device([torch.from_numpy(a) for a in (
-             out_rows, out_ids, prompt_rows, prompt_ids, bias_rows, bias_ids, bias_values, held_rows, held_ids,
-             scalars, to_min)], device)                                                     # one copy
-        counts = torch.zeros(b, vocab, device=device).index_put_(
-            (out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)  # [B, V]
-        seen = (counts > 0).index_put_((prompt_rows, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
-        bias = torch.zeros(b, vocab, device=device).index_put_((bias_rows, bias_ids), bias_values, accumulate=True)
+        *at, bias_values, scalars, to_min = to_device(                                      # one copy
+            [torch.from_numpy(a) for a in (*at, bias_values, scalars, to_min)], device)
+        output, prompt, biased_at, held_at = (tuple(x) for x in at)                         # (rows, token ids)
+        counts = torch.zeros(b, vocab, device=device).index_put_(                           # [B, V]
+            output, torch.ones(len(output[0]), device=device), accumulate=True)
+        seen = (counts > 0).index_put_(prompt, torch.ones(len(prompt[0]), dtype=torch.bool, device=device))
+        bias = torch.zeros(b, vocab, device=device).index_put_(biased_at, bias_values, accumulate=True)
         held = torch.zeros(b, vocab, dtype=torch.bool, device=device).index_put_(
-            (held_rows, held_ids), torch.ones_like(held_ids, dtype=torch.bool))
+            held_at, torch.ones(len(held_at[0]), dtype=torch.bool, device=device))
         return Penalties(counts, seen, bias, held, to_min, *scalars.unbind(1))
 
-    def after(self, tokens: Tensor, rows: Tensor) -> "Penalties":
-        """These adjustments once the rows where ``rows`` [B] (bool) have generated ``tokens``
-        [B] as well: plain decoding's tokens in flight, still on the device."""
-        counts = self.counts.scatter_add(1, tokens[:, None], rows.float()[:, None])     # [B, V]
-        return Penalties(counts, self.seen | counts.gt(0), self.bias, self.held, self.to_min - rows.long(),
+    def after(self, tokens: Tensor, in_flight: Tensor) -> Penalties:
+        """These adjustments once the rows where ``in_flight`` [B] (bool) have generated
+        ``tokens`` [B] as well: plain decoding's tokens in flight, still on the device."""
+        counts = self.counts.scatter_add(1, tokens[:, None], in_flight.float()[:, None])   # [B, V]
+        return Penalties(counts, self.seen | counts.gt(0), self.bias, self.held, self.to_min - in_flight.long(),
                          self.repetition, self.frequency, self.presence)
 
     def apply(self, logits: Tensor, tree: DraftTree | None = None) -> Tensor:
@@ -111,8 +113,8 @@ class Penalties:
         return logits.sub_(f * counts + p * counts.gt(0))
 
 
-def _flat(ids: dict[int, Iterable[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(the row of every id, the ids) of ``ids``: row -> its token ids."""
-    lists = [list(x) for x in ids.values()]
-    flat = np.fromiter((t for x in lists for t in x), dtype=np.int64, count=sum(map(len, lists)))
-    return np.repeat(np.array(list(ids), dtype=np.int64), [len(x) for x in lists]), flat
+def _flat(ids: dict[int, Collection[int]]) -> np.ndarray:
+    """[2, n]: the row of every id, and the ids, of ``ids`` (row -> its token ids)."""
+    arrays = [np.fromiter(x, dtype=np.int64, count=len(x)) for x in ids.values()]
+    rows = np.repeat(np.array(list(ids), dtype=np.int64), [len(a) for a in arrays])
+    return np.stack([rows, np.concatenate(arrays) if arrays else rows])
