@@ -33,6 +33,25 @@ class NgramConfig:
     capacity: int = 1_000_000    # global: trie size in nodes before LRU eviction
     scope: str = "request"       # "request" (own context) | "global" (trie shared by requests)
 
+    def __post_init__(self):     # (a config's own checks run when it is validated: before the target loads)
+        check_values(self.min_window, self.max_window, self.branch_length, self.capacity, self.scope)
+
+
+def check_values(min_window: int, max_window: int, branch_length: int, capacity: int, scope: str) -> None:
+    """Raise ValueError naming the first parameter the ngram drafter refuses."""
+    checks = [
+        (min_window >= 1, f"min_window must be >= 1, got {min_window}"),
+        (max_window >= min_window, f"max_window must be >= min_window ({min_window}), got {max_window}"),
+        (capacity >= 1, f"capacity must be >= 1 (trie nodes), got {capacity}"),
+        (scope in SCOPES, f"scope must be one of {', '.join(SCOPES)}; got {scope!r}"),
+        (scope != "global" or branch_length > max_window,
+         f"branch_length must be > max_window ({max_window}) so a matched window has "
+         f"children in the trie, got {branch_length}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"ngram drafter: {message}")
+
 
 class NgramIndex:
     """One request's committed tokens with an n-gram -> {follower: [count, last position]} table.
@@ -203,18 +222,7 @@ class NgramDrafter:
 
     def __init__(self, min_window: int = 1, max_window: int = 3, branch_length: int = 18,
                  capacity: int = 1_000_000, scope: str = "request", vocab_size: int | None = None):
-        checks = [
-            (min_window >= 1, f"min_window must be >= 1, got {min_window}"),
-            (max_window >= min_window, f"max_window must be >= min_window ({min_window}), got {max_window}"),
-            (capacity >= 1, f"capacity must be >= 1 (trie nodes), got {capacity}"),
-            (scope in SCOPES, f"scope must be one of {', '.join(SCOPES)}; got {scope!r}"),
-            (scope != "global" or branch_length > max_window,
-             f"branch_length must be > max_window ({max_window}) so a matched window has "
-             f"children in the trie, got {branch_length}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"ngram drafter: {message}")
+        check_values(min_window, max_window, branch_length, capacity, scope)
         self.min_window, self.max_window, self.scope = min_window, max_window, scope
         self.learns_across_requests = scope == "global"   # (see protocols.Drafter)
         self.vocab_size = vocab_size

@@ -7,7 +7,7 @@ import os
 import sys
 
 from specflow.config import ConfigError
-from specflow.registry import load_module
+from specflow.registry import RegistryError, load_module
 
 THREADS_HELP = "torch intra-op threads (default: torch's; small models often run faster with 1)"
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in getattr(args, "plugin", []):
             load_module(spec)
         args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (ConfigError, RegistryError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"specflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -318,21 +318,34 @@ class SpecEngine:
             rows = rows[:-1] if self.runner.graphs is None else []
         if not rows:
             return DraftTree.root_only(roots), []
-        tree = self.tree_builder.build(self.drafter, roots if len(rows) == len(batch) else roots.select(rows))
+        drafting = roots if len(rows) == len(batch) else roots.select(rows)
+        tree = self.tree_builder.build(self.drafter, drafting)
+        vocab = self.model.config.vocab_size
+        if tree.draft_probs is not None and tree.draft_probs.shape[-1] != vocab:  # (a shape: no wait)
+            raise ValueError(f"the {type(self.drafter).__name__} drafter with the {type(self.tree_builder).__name__} "
+                             f"returned draft probabilities q over {tree.draft_probs.shape[-1]} tokens; the target's "
+                             f"vocabulary has {vocab}")
         if self.check_drafts:
-            self._check_tree(tree)
+            self._check_tree(tree, drafting)
         if len(rows) == len(batch):
             return tree, rows
         return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree), rows
 
-    def _check_tree(self, tree: DraftTree) -> None:
-        """``check_drafts``: the tree's structure, its token ids and its drafts' q, each read
-        back from the device (a wait per step: for developing drafters, not for timing them)."""
+    def _check_tree(self, tree: DraftTree, roots: Roots) -> None:
+        """``check_drafts``: the tree's structure, its root (the request's last committed token at
+        its position), its token ids and its drafts' q, each read back from the device (a wait per
+        step: for developing drafters, not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree_builder).__name__}"
         try:
             tree.check()
         except AssertionError as e:
             raise ValueError(f"{where} built an invalid draft tree: {e}") from None
+        for name, built, want in (("token", tree.tokens[:, 0], roots.tokens),
+                                  ("position", tree.positions[:, 0], roots.positions)):
+            built, want = built.cpu().long(), want.cpu().long()
+            if not torch.equal(built, want):
+                raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
+                                 f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are {want.tolist()}")
         tokens, vocab = tree.tokens[tree.valid], self.model.config.vocab_size
         if bool(((tokens < 0) | (tokens >= vocab)).any()):
             raise ValueError(f"{where} drafted token ids outside [0, {vocab}) (the target's vocabulary): "

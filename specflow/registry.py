@@ -131,6 +131,10 @@ def load_module(spec: str) -> None:
         path = Path(spec).resolve()
         if not path.is_file():
             raise FileNotFoundError(f"plugin {spec}: no such file")
+        taken = _module_file(path.stem)
+        if taken is not None and taken != path:   # (sys.modules would hand every later import of it this file)
+            raise RegistryError(f"plugin {spec}: its module name '{path.stem}' is taken by {taken}, which "
+                                f"every later 'import {path.stem}' would then get instead: rename the file")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module
@@ -139,6 +143,45 @@ def load_module(spec: str) -> None:
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     importlib.import_module(spec)
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of the module ``name`` already imported or importable (a built-in: its name), else None."""
+    import importlib.util
+    import sys
+
+    module = sys.modules.get(name)
+    if module is not None:
+        origin = getattr(module, "__file__", None) or f"<built-in module {name}>"
+    else:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        if found is None or found.origin is None:   # (nothing, or a namespace package: nothing to replace)
+            return None
+        origin = found.origin
+    return Path(origin).resolve() if not origin.startswith("<") and origin not in ("built-in", "frozen") \
+        else Path(f"<built-in module {name}>")
+
+
+def plugin_sources() -> dict[str, str]:
+    """``{file: sha256}`` of every module outside specflow's own packages that registered a
+    component (``--plugin`` files, entry-point packages): what an experiment's numbers came from."""
+    import hashlib
+    import sys
+
+    load_plugins()
+    home = Path(__file__).resolve().parent.parent
+    builtin = [home / package for package in ("specflow", "drafters", "trees", "verifiers")]
+    sources = {}
+    for registry in ALL.values():
+        for cls, _ in registry._entries.values():
+            file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if file is None or any(Path(file).resolve().is_relative_to(b) for b in builtin):
+                continue
+            sources[str(Path(file).resolve())] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+    return dict(sorted(sources.items()))
 
 
 def describe(cls: type) -> list[tuple[str, str, Any]]:

@@ -193,16 +193,18 @@ class DraftTree:
         b, n = self.tokens.shape
         idx = torch.arange(n, device=self.parents.device)
         assert (self.parents[:, 0] == -1).all(), "node 0 must be the root"
+        assert self.valid[:, 0].all(), "the root must be valid"
         if n > 1:
             assert (self.parents[:, 1:] < idx[1:]).all(), "parents must precede children"
             assert (self.parents[:, 1:] >= 0).all(), "only the root has no parent"
             parent_depth = self.depth.gather(1, self.parents[:, 1:].clamp(min=0))
             assert (self.depth[:, 1:] == parent_depth + 1).all(), "depth = parent depth + 1"
-        assert (self.positions == self.positions[:, :1] + self.depth).all()
+        assert (self.positions == self.positions[:, :1] + self.depth).all(), "positions = root position + depth"
         if self.max_depth is not None:
             assert int(self.depth.max()) <= self.max_depth, "max_depth bounds every node's depth"
         if self.mask is not None:
-            assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu())
+            assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu()), \
+                "mask must be the ancestor-or-self mask of parents (ancestor_mask)"
 
     def to_json(self) -> list[dict]:
         """Every request's tree as plain lists (for StepRecord), brought to the host in one copy."""

@@ -123,6 +123,9 @@ BAD_PIPELINES = [  # (a pipeline's nodes, what the error names): all found befor
      r"pipelines\[p\].drafter.drafters\[1\].type: unknown drafter type 'eagel'"),
     ({"drafter": {"type": "fallback", "drafters": [{"type": "medusa", "path": "no/such/heads"}]}},
      r"pipelines\[p\].drafter.drafters\[0\].path: no/such/heads does not exist"),
+    ({"drafter": {"type": "ngram", "min_window": 0}}, r"pipelines\[p\].drafter \(drafter 'ngram'\): .*min_window must be >= 1"),
+    ({"drafter": {"type": "union", "drafters": [{"type": "ngram", "scope": "globl"}]}},
+     r"pipelines\[p\].drafter.drafters\[0\] \(drafter 'ngram'\): .*scope must be one of request, global"),
 ]
 
 

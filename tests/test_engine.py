@@ -321,3 +321,76 @@ def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, 
                         check_drafts=True)
     with pytest.raises(ValueError, match="the BrokenDrafter drafter with the ChainBuilder " + message):
         engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
+
+
+class MisshapenQDrafter(StatelessDrafter):
+    """Proposes token 5 under every node, with a q of shape ``shape(b, f)`` when asked."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        q = torch.full(self.shape(b, f), 0.01) if frontier.want_probs else None
+        return Expansion(torch.full((b, f, frontier.k), 5), torch.full((b, f, frontier.k), -1.0), q)
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("shape, message", [
+    (lambda b, f: (b, f, 313), r"the MisshapenQDrafter drafter with the ChainBuilder returned draft probabilities "
+                               r"q over 313 tokens; the target's vocabulary has 320"),
+    (lambda b, f: (b, f, 327), r"q over 327 tokens; the target's vocabulary has 320"),
+    (lambda b, f: (b, 320), r"MisshapenQDrafter.expand returned probs \(1, 320\); the frontier asks for \[B, F, V\]"),
+])
+def test_a_q_of_the_wrong_shape_is_named_with_its_drafter(tiny_target, shape, message, check):
+    """q's shape is the drafter's answer too: a width other than the vocabulary's (a verifier's
+    broadcast error or, wider, an out-of-vocabulary draw reaching the embedding) and a missing
+    frontier axis are named like tokens and logprobs of the wrong shape, check_drafts or not."""
+    engine = SpecEngine(tiny_target, MisshapenQDrafter(shape), {"type": "chain", "depth": 2, "sample": True},
+                        {"type": "rejection"}, device="cpu", dtype="float32", check_drafts=check)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
+
+
+def _shifted(field: str, by: int):
+    """A chain builder whose trees have ``field`` of the root moved by ``by``."""
+    import dataclasses
+
+    from trees.chain import ChainBuilder
+
+    class ShiftedRootChain(ChainBuilder):
+        def build(self, drafter, roots):
+            tree = super().build(drafter, roots)
+            if field == "valid":
+                valid = tree.valid.clone()
+                valid[:, 0] = False
+                return dataclasses.replace(tree, valid=valid)
+            if field == "mask":
+                mask = tree.mask.clone()
+                mask[:, 1, 2] = True   # node 1 sees its child
+                return dataclasses.replace(tree, mask=mask)
+            shifted = getattr(tree, field).clone()
+            if field == "tokens":
+                shifted[:, 0] += by
+            else:   # positions: the whole tree, so its own positions still equal root + depth
+                shifted += by
+            return dataclasses.replace(tree, **{field: shifted})
+
+    return ShiftedRootChain(depth=2)
+
+
+@pytest.mark.parametrize("field, by, message", [
+    ("positions", 1, r"built a tree whose root positions are \[\d+, \d+\]; the requests' roots"),
+    ("positions", -2, r"built a tree whose root positions are"),
+    ("tokens", 1, r"built a tree whose root tokens are \[\d+, \d+\]; the requests' roots"),
+    ("valid", 0, r"built an invalid draft tree: the root must be valid"),
+    ("mask", 0, r"built an invalid draft tree: mask must be the ancestor-or-self mask of parents"),
+])
+def test_check_drafts_refuses_a_tree_whose_root_is_not_the_requests(tiny_target, field, by, message):
+    """A tree at the wrong positions (RoPE) or over the wrong root token is structurally sound and
+    verifies without an error, but its greedy output is no longer plain decoding's: check_drafts
+    names it, as it names every broken invariant (with a message, not an empty assertion)."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, _shifted(field, by), {"type": "greedy"}, device="cpu",
+                        dtype="float32", check_drafts=True)
+    with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain " + message):
+        engine.generate(PROMPTS[:2], GREEDY)

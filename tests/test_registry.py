@@ -76,3 +76,34 @@ def test_the_cli_loads_plugins_before_the_command(tmp_path):
         sys.exit(main(["list", "--plugin", "no_such_module"]))
         """, cwd=tmp_path)
     assert run.returncode == 2 and "No module named 'no_such_module'" in run.stderr
+
+
+def test_a_plugin_file_named_like_another_module_is_refused_naming_both(tmp_path):
+    """Loading ``random.py`` by path would put it in sys.modules as 'random': every later
+    ``import random`` (sympy's, under torch) would get the plugin. It is refused, as is a
+    ``drafters.py`` (specflow's own package), in ``specflow list`` too, with no traceback."""
+    plugins = tmp_path / "plugins"   # (not the working directory, where it would shadow 'random' for torch itself)
+    plugins.mkdir()
+    for name in ("random", "drafters"):
+        (plugins / f"{name}.py").write_text(SUFFIX_DRAFTER)
+        run = python(f"""
+            import sys
+            from specflow.cli import main
+            sys.exit(main(["list", "--plugin", {str(plugins / f"{name}.py")!r}]))
+            """, cwd=tmp_path)
+        assert run.returncode == 2, run.stderr
+        assert f"its module name '{name}' is taken by" in run.stderr and "rename the file" in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+    run = python(f"""
+        from specflow.registry import DRAFTERS, load_module
+        load_module({str(plugins / "random.py")!r})
+        """, cwd=tmp_path)
+    assert "RegistryError: plugin" in run.stderr and "random.py" in run.stderr
+    (tmp_path / "my_drafters.py").write_text(SUFFIX_DRAFTER)   # its own file, loaded twice (a re-run cell): fine
+    run = python(f"""
+        from specflow.registry import DRAFTERS, load_module
+        load_module({str(tmp_path / "my_drafters.py")!r})
+        load_module({str(tmp_path / "my_drafters.py")!r})
+        print("echo" in DRAFTERS)
+        """, cwd=tmp_path)
+    assert run.stdout.strip() == "True", run.stderr

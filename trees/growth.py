@@ -86,6 +86,9 @@ class GrowingTree:
         if out.probs is None:
             raise ValueError(f"{name}.expand returned no probs although the frontier asked "
                              "for them (want_probs=True, sampled drafting)")
+        if out.probs.dim() != 3 or out.probs.shape[:2] != (b, f):
+            raise ValueError(f"{name}.expand returned probs {tuple(out.probs.shape)}; the frontier asks for "
+                             f"[B, F, V] with [B, F] = {(b, f)}")
         # [B, F, V], rows normalised: a q that does not sum to 1 (top-k probs left unnormalised)
         # is drawn from as its normalised law (Gumbel-top-k ranks log q), which the verifier must see
         q = out.probs.float()

@@ -20,6 +20,7 @@ from specflow.config import ConfigError, dump_yaml, load_yaml, validate
 from specflow.engine import SpecEngine, check_runtime, load_tokenizer, resolve_device
 from specflow.models import load_model
 from specflow.pipeline import EngineConfig, Pipeline
+from specflow.registry import plugin_sources
 from specflow.sampling import SamplingParams
 
 
@@ -206,6 +207,16 @@ def git_commit() -> str | None:
     return lines[1]
 
 
+def git_dirty() -> bool | None:
+    """Whether the specflow checkout's tracked files differ from its commit (None: no checkout)."""
+    if git_commit() is None:
+        return None
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                         capture_output=True, text=True, timeout=10)
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def failed_pipelines(results: dict) -> str:
     """'' when every pipeline finished, else a line naming those that raised and their errors."""
     failed = {n: s["error"] for n, s in results["pipelines"].items() if "error" in s}
@@ -288,6 +299,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
     _, baseline, run_seconds = timed(None, "baseline")
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
                "torch_version": torch.__version__, "git_commit": git_commit(),
+               "git_dirty": git_dirty(), "plugins": plugin_sources(),
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "repeats": cfg.repeats, "sampling": dataclasses.asdict(cfg.sampling),
                "pipelines": {"baseline": summarize(baseline, None)}}

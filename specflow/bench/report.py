@@ -30,13 +30,16 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
         noisy |= bool(mark)
         return f"{value:.2f}x{mark}"
 
-    commit = (results["git_commit"] or "not a git checkout")[:12]
+    commit = (results["git_commit"] or "not a git checkout")[:12] + (" with uncommitted changes"
+                                                                     if results.get("git_dirty") else "")
+    plugins = "".join(f", plugin `{file}` (sha256 {digest[:12]})"
+                      for file, digest in results.get("plugins", {}).items())
     lines = [f"# {results['name']}", "",
              f"target `{results['target']}` on {results['device']} ({results['dtype']}), "
              f"batch size {results['batch_size']}, {results['num_prompts']} prompts, "
              f"{'best of ' + str(results['repeats']) + ' runs, ' if results['repeats'] > 1 else ''}temperature "
              f"{results['sampling']['temperature']}, max_tokens {results['sampling']['max_tokens']}; torch "
-             f"{results['torch_version']}, specflow {commit}. Speedup is against the autoregressive baseline "
+             f"{results['torch_version']}, specflow {commit}{plugins}. Speedup is against the autoregressive baseline "
              f"measured in the same run. Lossless: the verifier keeps the target's distribution at any "
              f"temperature (at temperature 0 every pipeline is exact). Matches baseline: prompts with the "
              f"baseline's exact tokens; prompts are seeded, so at temperature > 0 the verifiers that follow "

@@ -316,3 +316,41 @@ def test_acceptance_by_depth_is_conditional_on_the_depth_before():
     # drafts accepted per step: 0, 0, 1, 2, 3 -> depth 1: 3 of 5 steps, depth 2: 2 of those 3, depth 3: 1 of 2
     assert acceptance_by_depth([1, 1, 2, 3, 4]) == [3 / 5, 2 / 3, 1 / 2]
     assert acceptance_by_depth([1, 1]) == [] and acceptance_by_depth([]) == []
+
+
+def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_target):
+    """A pipeline whose drafter comes from a --plugin file: results.json and results.md name the
+    file with its sha256 (the numbers' code, which git_commit does not cover), and say whether
+    specflow's own checkout had uncommitted changes."""
+    import hashlib
+
+    plugin = tmp_path / "provenance_drafters.py"
+    plugin.write_text(
+        "from dataclasses import dataclass\n"
+        "from drafters.ngram import NgramDrafter\n"
+        "from specflow.registry import DRAFTERS\n\n\n"
+        "@dataclass\nclass ProvenanceConfig:\n    pass\n\n\n"
+        "@DRAFTERS.register('provenance_echo', config=ProvenanceConfig)\n"
+        "class ProvenanceEcho(NgramDrafter):\n"
+        "    @classmethod\n"
+        "    def from_config(cls, cfg, vocab_size=None, **_):\n"
+        "        return cls(vocab_size=vocab_size)\n")
+    path = write_config(tmp_path, tiny_target, """
+  - name: echo
+    drafter: {type: provenance_echo}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    assert main(["run", str(path), "sampling.max_tokens=3", "--plugin", str(plugin)]) == 0
+    out = tmp_path / "runs" / "tiny"
+    results = json.loads((out / "results.json").read_text())
+    digest = hashlib.sha256(plugin.read_bytes()).hexdigest()
+    assert results["plugins"][str(plugin.resolve())] == digest
+    assert not any("/drafters/" in f or "/specflow/" in f for f in results["plugins"])  # (built-ins: git_commit's)
+    assert f"plugin `{plugin.resolve()}` (sha256 {digest[:12]})" in (out / "results.md").read_text()
+    if (ROOT / ".git").exists():
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip() != ""
+        assert results["git_dirty"] is dirty
+        assert ("with uncommitted changes" in (out / "results.md").read_text()) is dirty
+    else:
+        assert results["git_dirty"] is None
