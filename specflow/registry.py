@@ -81,7 +81,8 @@ A drafter answers "what could follow these tree nodes, and how likely?" (specflo
   begin(features)               - new requests after prefill (TargetFeatures): build per-request state
   expand(frontier) -> Expansion - k children of each frontier node [B, F]: token ids in [0, V),
                                   log-probs [B, F, k] (-inf: no child), and with frontier.want_probs
-                                  the full q [B, F, V] (rows summing to 1) they were drawn from
+                                  the full q [B, F, V] they were drawn from (a row that does not
+                                  sum to 1 is read as its normalised law)
   commit(verdict, features)     - the accepted path of each request (+ its target features)
   release(request_ids)          - forget finished or cancelled requests
   from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""")
@@ -89,12 +90,18 @@ A drafter answers "what could follow these tree nodes, and how likely?" (specflo
 TREE_BUILDERS = Registry("tree", """\
 A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).
   num_draft_tokens              - node budget N per request, root included
-  build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs""")
+  build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs
+                                  (trees.growth.GrowingTree grows one: expand / add / finish,
+                                  and sets max_tries, the children a walk may try)""")
 
 VERIFIERS = Registry("verifier", """\
 A verifier accepts a path of the draft tree against the target (specflow.protocols.Verifier).
-  lossless: bool                - True when the output distribution equals the target's
-  verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token""")
+  lossless: bool                - True when the output distribution equals the target's (declared,
+                                  not checked: tests/test_distribution.py's chi-square checks it)
+  verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token;
+                                  target_logits [B, N, V] are every node's, penalties applied
+                                  (target_probs processes them); a target draw uses
+                                  sampling.draws(depth), so seeded runs reproduce plain decoding""")
 
 ALL = {"drafter": DRAFTERS, "tree": TREE_BUILDERS, "verifier": VERIFIERS}
 
