@@ -176,6 +176,9 @@ def decode_body(model: type[Body], raw: bytes, content_type: str | None) -> Body
     except ValidationError as e:
         errors = e.errors(include_url=False)
         fields = [".".join(str(x) for x in error["loc"]) for error in errors]   # "" for a whole-body check
+        for error in errors:
+            if error["type"] == "extra_forbidden":   # (pydantic says "Extra inputs are not permitted")
+                error["msg"] = "not a parameter this server takes (see the README for what it supports)"
         message = "; ".join(f"{f}: {error['msg']}" if f else error["msg"] for f, error in zip(fields, errors))
         raise ApiError(400, message, param=fields[0] or None) from None
 

@@ -35,7 +35,7 @@ BAD = [
     ("wrong type stream", "completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("wrong type prompt", "completions", {**GOOD, "prompt": 5}, 400, "prompt"),
     ("wrong type messages", "chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
-    ("unknown field", "completions", {**GOOD, "best_of_all": 2}, 400, "best_of_all"),
+    ("unknown field", "completions", {**GOOD, "best_of_all": 2}, 400, "best_of_all: not a parameter this server takes"),
     ("missing prompt", "completions", {"model": MODEL}, 400, "prompt"),
     ("empty prompt", "completions", {**GOOD, "prompt": []}, 400, "prompt"),
     ("empty messages", "chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
