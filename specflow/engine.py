@@ -414,7 +414,7 @@ class SpecEngine:
 
     def _penalties(self, batch: list[Request]) -> Penalties | None:
         """The batch's history-dependent logit adjustments (specflow.penalties), None without any."""
-        return Penalties.build([History(r.params, r.prompt_ids, r.output_ids, r.stop_ids) for r in batch],
+        return Penalties.build([History(r.params, r.distinct_prompt_ids, r.output_ids, r.stop_ids) for r in batch],
                                self.model.config.vocab_size, self.device)
 
     @staticmethod

@@ -21,7 +21,7 @@ tokens), and ``apply`` makes a few [B, N, V] tensors, as ``target_probs`` does.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +38,9 @@ class History:
     """What one request has seen, as ``Penalties.build`` reads it."""
 
     params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
-    stop_ids: set[int]     # the tokens ``min_tokens`` holds back (eos unless ignored, stop_token_ids)
+    prompt_ids: Sequence[int]   # (any order, repeats or not: the repetition penalty reads which occur)
+    output_ids: Sequence[int]
+    stop_ids: set[int]          # the tokens ``min_tokens`` holds back (eos unless ignored, stop_token_ids)
 
 
 @dataclass(slots=True)
@@ -115,6 +115,7 @@ class Penalties:
 
 def _flat(ids: dict[int, Collection[int]]) -> np.ndarray:
     """[2, n]: the row of every id, and the ids, of ``ids`` (row -> its token ids)."""
-    arrays = [np.fromiter(x, dtype=np.int64, count=len(x)) for x in ids.values()]
+    arrays = [x.astype(np.int64, copy=False) if isinstance(x, np.ndarray) else np.fromiter(x, np.int64, len(x))
+              for x in ids.values()]
     rows = np.repeat(np.array(list(ids), dtype=np.int64), [len(a) for a in arrays])
     return np.stack([rows, np.concatenate(arrays) if arrays else rows])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +106,11 @@ class Request:
         self._checked_len = 0  # decoded characters already searched for stop strings
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
+
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids, once (the repetition penalty reads them every step)."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
 
     @property
     def seq_len(self) -> int:
