@@ -22,10 +22,14 @@ from specflow.runtime.attention import BACKENDS
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import (SamplingBatch, SamplingParams, TokenLogprob, logprob_rows, next_tokens,
-                               to_token_logprobs)
+from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
+
+# prompt logits computed at once for prompt_logprobs: [rows, V] in float32 is 0.5 GiB for a
+# 128k-token vocabulary; a whole 16k-token prefill at once would take ~25 GiB (the logits, a
+# float32 copy, the log-softmax), past what the KV cache leaves free
+PROMPT_LOGITS_ROWS = 1024
 
 
 def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
@@ -54,11 +58,13 @@ def check_runtime(backend: str, page_size: int, kv_cache_tokens: int, max_batch_
     if backend not in BACKENDS:
         raise ConfigError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
     for key, value in (("page_size", page_size), ("kv_cache_tokens", kv_cache_tokens),
-                       ("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens or 1)):
+                       ("max_batch_size", max_batch_size)):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if spec_max_batch_size is not None and spec_max_batch_size < 0:
         raise ConfigError(f"spec_max_batch_size must be >= 0 or null, got {spec_max_batch_size}")
+    if max_prefill_tokens is not None and max_prefill_tokens < 1:
+        raise ConfigError(f"max_prefill_tokens must be >= 1 or null (no bound), got {max_prefill_tokens}")
 
 
 def load_tokenizer(path: str | Path):
@@ -146,7 +152,8 @@ class SpecEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
-        node = dataclasses.asdict(cfg)
+        # (not dataclasses.asdict: it deep-copies the values, a component already built among them)
+        node = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         return cls(node.pop("target"), **node)
 
     @classmethod
@@ -436,8 +443,7 @@ class SpecEngine:
             kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
-                logprobs.append((req.logprobs, [out.offsets[b] + node for node in accepted[:kept]], new[:kept],
-                                 req.params.logprobs))
+                logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
             if self.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
                                             new[-1], timings, len(batch)))
@@ -465,7 +471,8 @@ class SpecEngine:
             start = req.seq_len - n
             tokens.append(torch.tensor(req.seq[start:-1]))
             positions.append(torch.arange(start, req.seq_len - 1))
-        flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)], out.hidden.device)  # one gather each
+        flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
+                          out.hidden.device)
         lens = [len(rw) for rw in rows]
         return TargetFeatures(
             request_ids=[r.id for r in reqs], tokens=tokens, positions=positions,
@@ -503,7 +510,7 @@ class SpecEngine:
             if f:
                 req.append([first[b]])
                 if req.logprobs is not None:
-                    logprobs.append((req.logprobs, [b], [first[b]], req.params.logprobs))
+                    logprobs.append((req, [b], [first[b]]))
             if not req.finished:
                 live.append((b, req, len(inputs[b])))
         self._add_logprobs(out.logits, logprobs)
@@ -517,38 +524,44 @@ class SpecEngine:
         return finished
 
     @staticmethod
-    def _add_logprobs(logits: Tensor, entries: list[tuple[list[TokenLogprob], list[int], list[int], int]]) -> None:
-        """Each entry (a request's logprobs list, rows of ``logits``, the tokens those rows chose,
-        the alternatives it records): the tokens' logprobs appended to the list, computed for
-        the whole batch with one copy back."""
+    def _add_logprobs(logits: Tensor, entries: list[tuple[Request, list[int], list[int]]]) -> None:
+        """Each entry (request, rows of ``logits``, the tokens committed there): the tokens'
+        logprobs appended to the request's, computed for the whole batch with one copy back."""
         if not entries:
             return
         rows, tokens = ([i for e in entries for i in e[k]] for k in (1, 2))
         rows, device_tokens = to_device([torch.tensor(rows), torch.tensor(tokens)], logits.device)
-        top_n = max(e[3] for e in entries)
+        top_n = max(req.params.logprobs for req, _, _ in entries)
         values = to_host(logprob_rows(logits[rows], device_tokens, top_n))          # [T], [T, n], [T, n]
         start = 0
-        for logprobs, _, tokens, n in entries:
+        for req, _, tokens in entries:
             end = start + len(tokens)
-            logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], n)
+            req.logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], req.params.logprobs)
             start = end
 
     def _add_prompt_logprobs(self, reqs: list[tuple[int, Request]], out: ExtendOutput) -> None:
         """The prompt logprobs of each (row of ``out``, request) prefilled: its prompt token i from
-        the logits of row i - 1, which the forward computed only the last of."""
+        the logits of row i - 1, which the forward computed only the last of. The logits are
+        computed ``PROMPT_LOGITS_ROWS`` rows at a time and the logprobs come back in one copy."""
         if not reqs:
             return
-        rows = [range(out.offsets[b], out.offsets[b + 1] - 1) for b, _ in reqs]     # each prompt but its last token
-        flat, = to_device([torch.tensor([i for r in rows for i in r], dtype=torch.long)], out.hidden.device)
-        logits = self.model.compute_logits(out.hidden[flat])                             # [P, V]
-        entries, start = [], 0
-        for (_, req), r in zip(reqs, rows):
+        rows = [i for b, _ in reqs for i in range(out.offsets[b], out.offsets[b + 1] - 1)]  # each prompt but its last
+        tokens = [t for _, req in reqs for t in req.prompt_ids[1:]]                         # token, and what followed
+        top_n = max(req.params.prompt_logprobs for _, req in reqs)
+        parts = []
+        for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            at, ids = to_device([torch.tensor(rows[start:start + PROMPT_LOGITS_ROWS]),
+                                 torch.tensor(tokens[start:start + PROMPT_LOGITS_ROWS])], out.hidden.device)
+            parts.append(logprob_rows(self.model.compute_logits(out.hidden[at]), ids, top_n))  # [r], [r, n], [r, n]
+        values = to_host([torch.cat(x) for x in zip(*parts)]) if parts else []
+        start = 0
+        for _, req in reqs:
+            n = len(req.prompt_ids) - 1
             req.prompt_logprobs.append(None)  # (the first token has no context)
-            if len(r):
-                entries.append((req.prompt_logprobs, list(range(start, start + len(r))), req.prompt_ids[1:],
-                                req.params.prompt_logprobs))
-            start += len(r)
-        self._add_logprobs(logits, entries)
+            if n:
+                req.prompt_logprobs += to_token_logprobs(req.prompt_ids[1:], [x[start:start + n] for x in values],
+                                                         req.params.prompt_logprobs)
+            start += n
 
     # ----------------------------------------------------------------------------------------
     # plain decoding, one step ahead of the host

@@ -124,7 +124,7 @@ class Request:
         """Commit tokens one by one until a stop condition; returns how many were kept.
 
         With a tokenizer, stop strings apply: the text is cut before the stop string and the ids
-        after the token that completed it.
+        after the token that completed it; a stop token ends the ids but not the text.
         """
         kept = 0
         for tok in tokens:
@@ -133,8 +133,10 @@ class Request:
             kept += 1
             if self.stream is not None:
                 self.stream.add(tok)
-            if tok in self.stop_ids:
+            if tok in self.stop_ids:  # (its text is not returned, as vLLM leaves it out)
                 self.finish_reason = "stop"
+                if self.stream is not None:
+                    self.text = self.stream.decode(self.output_ids[:-1])
             elif self.params.stop and self.stream is not None and self._hit_stop_string():
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:

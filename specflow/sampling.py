@@ -29,7 +29,8 @@ class SamplingParams:
     """How one request is sampled. ``temperature=0`` is greedy.
 
     ``top_k=-1`` keeps every token; ``seed=None`` draws a fresh seed; ``stop`` strings and
-    ``stop_token_ids`` end generation (the stop string itself is not returned); ``ignore_eos``
+    ``stop_token_ids`` end generation (neither the stop string nor the stop token's text is
+    returned; the token is among the ids); ``ignore_eos``
     keeps generating past the end-of-sequence token. ``logprobs=n`` records, for every committed
     token, its log-probability under the target and the ``n`` most likely alternatives
     (``None``: not recorded); ``prompt_logprobs=n`` does so for the prompt's tokens, each given

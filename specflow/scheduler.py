@@ -45,7 +45,7 @@ class Scheduler:
         n = self.num_draft_tokens
         ids = [r.id for r in self.running]
         lens = [r.seq_len - 1 + n for r in self.running]  # K/V of all but the root, then a tree from it
-        prefill = 0  # tokens this step prefills: each prompt (a resumed sequence but its root, one fewer)
+        prefill = 0  # tokens this step prefills, each sequence counted whole (a resumed one's root is not sent)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             head = self.waiting[0]
             lookahead = n if self.running or admitted else 1

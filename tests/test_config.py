@@ -144,6 +144,7 @@ def test_bad_values_fail_before_the_target_loads(tmp_path, nodes, message):
     ("sampling.temperature=-1", "sampling: temperature must be >= 0"), ("batch_size=0", "batch_size and repeats must be >= 1"), ("repeats=0", "got 1, 0 and 1"),
     ("engine.drafter.type=ngram", "engine.drafter: an experiment sets it per pipeline"),
     ("engine.page_size=0", "page_size must be >= 1, got 0"), ("engine.kv_cache_tokens=-5", "kv_cache_tokens must be"),
+    ("engine.max_prefill_tokens=0", r"max_prefill_tokens must be >= 1 or null \(no bound\), got 0"),
     ("engine.backend=triton", "backend: 'triton' is not one of torch, flashinfer, auto"),
     ("engine.device=gpu", "device: 'gpu' is not a torch device"),
     ("engine.device=cuda:7", "device: 'cuda:7', but torch sees"),

@@ -5,6 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specflow import SamplingParams, SpecEngine
+from specflow.pipeline import EngineConfig
+from specflow.registry import VERIFIERS
 from specflow.tree import Expansion, Frontier
 from tests.stateless import StatelessDrafter
 
@@ -74,6 +76,8 @@ def test_stop_token_ids_and_eos(engine):
     tok = free[5]
     out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok]))[0]
     assert out.token_ids == free[: free.index(tok) + 1] and out.finish_reason == "stop"
+    # the stop token's text is left out, as vLLM leaves it out
+    assert out.text == engine.decode(out.token_ids[:-1]) != engine.decode(out.token_ids)
     engine.eos_token_ids, saved = [tok], engine.eos_token_ids
     try:
         eos = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24))[0]
@@ -107,6 +111,13 @@ def test_a_prefill_bound_spreads_admission_over_steps_without_changing_results(t
     assert [o.token_ids for o in bounded.generate(PROMPTS * 2, GREEDY)] == expected
     # prompts of 9, 5 and 12 tokens: 9 + 5 pass the bound, 12 alone does but runs alone
     assert prefilled == [9, 5, 12, 9, 5, 12]
+
+
+def test_from_config_uses_components_already_built_as_they_are(tiny_target):
+    verifier = VERIFIERS.get("greedy")[0].from_config(VERIFIERS.get("greedy")[1]())
+    engine = SpecEngine.from_config(EngineConfig(target=str(tiny_target), drafter={"type": "ngram"},
+                                                 verifier=verifier, device="cpu", dtype="float32"))
+    assert engine.verifier is verifier
 
 
 def test_abort_frees_pages(engine):

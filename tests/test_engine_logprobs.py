@@ -109,3 +109,25 @@ def test_a_batch_with_different_logprob_counts(name, request):
         assert [[t for t, _ in lp.top] for lp in x.logprobs] == [[t for t, _ in lp.top] for lp in y.logprobs]
         torch.testing.assert_close(torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in x.logprobs]),
                                    torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in y.logprobs]))
+
+
+def test_prompt_logprobs_take_the_prompt_logits_a_slice_at_a_time(plain, monkeypatch):
+    """A long prompt's (or a long prefill's) [P, V] logits are never all live at once: the
+    logits of a 16k-token prefill with a 128k vocabulary would take ~25 GiB."""
+    import specflow.engine
+
+    asked = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompts = [PROMPTS[0] * 3, [7], PROMPTS[1] * 2]                                 # 27, 1 and 10 tokens
+    whole = plain.generate(prompts, asked)
+    monkeypatch.setattr(specflow.engine, "PROMPT_LOGITS_ROWS", 8, raising=False)
+    rows, compute = [], plain.model.compute_logits
+    monkeypatch.setattr(plain.model, "compute_logits", lambda hidden: rows.append(len(hidden)) or compute(hidden))
+    sliced = plain.generate(prompts, asked)
+    assert max(rows) <= 8
+    for a, b in zip(whole, sliced):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) and b.prompt_logprobs[0] is None
+        assert [lp.token_id for lp in b.prompt_logprobs[1:]] == b.prompt_token_ids[1:]
+        values = [[(lp.logprob, *(v for _, v in lp.top)) for lp in o.prompt_logprobs[1:]] for o in (a, b)]
+        torch.testing.assert_close(torch.tensor(values[1]), torch.tensor(values[0]))   # (matmuls of other sizes)
+        assert [[t for t, _ in lp.top] for lp in b.prompt_logprobs[1:]] == \
+            [[t for t, _ in lp.top] for lp in a.prompt_logprobs[1:]]

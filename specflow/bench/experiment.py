@@ -212,8 +212,11 @@ def git_dirty() -> bool | None:
     if git_commit() is None:
         return None
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                         capture_output=True, text=True, timeout=10)
+    try:  # (called once the baseline has run: a slow git must not lose it)
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
     return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 

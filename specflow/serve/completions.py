@@ -104,17 +104,21 @@ class OpenAIServing:
 
         def choice(index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
                    finish_reason: str | None, prompt_logprobs: list[TokenLogprob | None] | None) -> CompletionChoice:
-            """What choice ``index`` shows of its new text, tokens and logprobs: nothing generated
-            when ``generates`` is off, the prompt first when ``prompt_logprobs`` (its first piece)."""
+            """Choice ``index``'s new text, tokens and logprobs as the client sees them: none of its
+            own when it only scores the prompt (max_tokens 0); with echo, its prompt's before its
+            first piece."""
             if not generates:
                 text, token_ids, logprobs = "", [], None if logprobs is None else []
                 finish_reason = None if finish_reason is None else "length"
             if body.echo and index not in started:
                 started.add(index)
-                text, token_ids = echoed[index // body.n] + text, prompts[index // body.n] + token_ids
-                logprobs = None if logprobs is None else prompt_logprobs + logprobs
-            return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=None if logprobs is None
-                                    else self._completion_logprobs(token_ids, logprobs, offsets[index]))
+                prompt = prompts[index // body.n]
+                text, token_ids = echoed[index // body.n] + text, prompt + token_ids
+                if logprobs is not None:   # (a choice cancelled before its prefill has no prompt logprobs: nulls)
+                    scored = prompt_logprobs or []
+                    logprobs = scored + [None] * (len(prompt) - len(scored)) + logprobs
+            lp = None if logprobs is None else self._completion_logprobs(token_ids, logprobs, offsets[index])
+            return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=lp)
 
         def chunk(d: Delta) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[

@@ -354,3 +354,19 @@ def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_targe
         assert ("with uncommitted changes" in (out / "results.md").read_text()) is dirty
     else:
         assert results["git_dirty"] is None
+
+
+def test_a_git_that_times_out_leaves_git_dirty_unknown(monkeypatch):
+    """git_dirty runs once the baseline has run: a git status past its timeout (a cold index on a
+    network disk) must not raise and lose the run."""
+    from specflow.bench import experiment
+
+    run = subprocess.run
+
+    def slow_status(args, **kwargs):
+        if "status" in args:
+            raise subprocess.TimeoutExpired(args, kwargs.get("timeout"))
+        return run(args, **kwargs)
+
+    monkeypatch.setattr(experiment.subprocess, "run", slow_status)
+    assert experiment.git_dirty() is None

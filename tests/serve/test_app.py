@@ -203,6 +203,27 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(chat_target, monkeypatch)
     assert not any(on_loop for _, on_loop in calls), calls
 
 
+def test_an_echo_cancelled_in_the_queue_keeps_its_logprobs_arrays_aligned(chat_target):
+    """A shutdown's cancel ends a queued echo choice before its prefill: its prompt tokens still
+    come with one logprob entry each (null), not an empty token_logprobs beside them."""
+    engine = SpecEngine(chat_target, max_batch_size=1)
+    app = build_app(engine, MODEL)
+    with TestClient(app) as client, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(client.post, "/v1/completions", json={**GOOD, "max_tokens": 4000})
+        while not engine.scheduler.running:
+            time.sleep(0.01)
+        echo = pool.submit(client.post, "/v1/completions", json={**GOOD, "echo": True, "logprobs": 1})
+        while not engine.scheduler.waiting:
+            time.sleep(0.01)
+        app.state.engine_loop.cancel_all()
+        assert running.result().json()["choices"][0]["finish_reason"] == "abort"
+        choice = echo.result().json()["choices"][0]
+    n_prompt = len(engine.encode(GOOD["prompt"]))
+    assert choice["finish_reason"] == "abort" and choice["text"] == GOOD["prompt"]
+    assert {k: len(v) for k, v in choice["logprobs"].items()} == dict.fromkeys(
+        ("tokens", "token_logprobs", "top_logprobs", "text_offset"), n_prompt)
+
+
 def test_the_openapi_schema_documents_the_request_bodies(server):
     """The generation routes read their bodies themselves (off the event loop); /openapi.json
     still documents them, and every reference in it resolves."""

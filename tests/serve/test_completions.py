@@ -83,6 +83,7 @@ def test_stop_token_ids_end_a_choice(client, reference):
                                     extra_body={"stop_token_ids": [stop], "top_k": 0})
     assert out.choices[0].finish_reason == "stop"
     assert len(out.choices[0].logprobs.tokens) == free.token_ids.index(stop) + 1
+    assert out.choices[0].text == reference.decode(free.token_ids[:free.token_ids.index(stop)])   # (vLLM's text)
 
 
 def test_prompt_as_token_ids_and_batch_of_prompts(client, reference):
