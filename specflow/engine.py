@@ -421,6 +421,8 @@ class SpecEngine:
 
     def _penalties(self, batch: list[Request]) -> Penalties | None:
         """The batch's history-dependent logit adjustments (specflow.penalties), None without any."""
+        if not any(r.params.adjusts_logits for r in batch):
+            return None
         return Penalties.build([History(r.params, r.distinct_prompt_ids, r.output_ids, r.stop_ids) for r in batch],
                                self.model.config.vocab_size, self.device)
 

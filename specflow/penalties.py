@@ -57,12 +57,9 @@ class Penalties:
     presence: Tensor      # [B] float32
 
     @staticmethod
-    def build(rows: list[History], vocab: int, device: torch.device) -> Penalties | None:
-        """The batch's adjustments (None when no row has any: the batch samples as it would
-        without). Rows without adjustments get all-neutral ones, which leave their logits' bits
-        as they are."""
-        if not any(h.params.adjusts_logits for h in rows):
-            return None
+    def build(rows: list[History], vocab: int, device: torch.device) -> Penalties:
+        """The batch's adjustments. Rows without any (``SamplingParams.adjusts_logits`` false) get
+        neutral ones, which leave their logits' bits as they are."""
         b, params = len(rows), [h.params for h in rows]
         counted = [i for i, p in enumerate(params) if p.penalizes]
         biased = [i for i, p in enumerate(params) if p.logit_bias]

@@ -53,8 +53,7 @@ def test_every_node_is_adjusted_by_its_own_path(data):
     b, n = tree.tokens.shape
     rows = [data.draw(histories(VOCAB)) for _ in range(b)]
     logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))) * 3
-    penalties = Penalties.build(rows, VOCAB, torch.device("cpu"))  # (None: no row adjusts its logits)
-    adjusted = logits if penalties is None else penalties.apply(logits, tree)
+    adjusted = Penalties.build(rows, VOCAB, torch.device("cpu")).apply(logits, tree)
     for r, h in enumerate(rows):
         for node in range(n):
             if tree.valid[r, node]:
@@ -70,7 +69,6 @@ def test_tokens_in_flight_count_as_generated(data):
     rows = [data.draw(histories(VOCAB)) for _ in range(data.draw(st.integers(1, 4)))]
     flight = [data.draw(st.integers(0, VOCAB - 1)) for _ in rows]
     ahead = [data.draw(st.booleans()) for _ in rows]
-    rows[0].params.frequency_penalty = 1.0  # (some row adjusts its logits)
     logits = torch.randn(len(rows), 1, VOCAB)
     got = Penalties.build(rows, VOCAB, torch.device("cpu")).after(torch.tensor(flight), torch.tensor(ahead))
     landed = [History(h.params, h.prompt_ids, h.output_ids + [t] * a, h.stop_ids) for h, t, a in zip(rows, flight, ahead)]
@@ -81,8 +79,8 @@ def test_tokens_in_flight_count_as_generated(data):
 def test_rows_without_adjustments_keep_their_bits():
     plain, biased = SamplingParams(), SamplingParams(repetition_penalty=1.2, logit_bias={1: 2.0}, min_tokens=3)
     rows = [History(plain, [1, 2], [2, 2], {0}), History(biased, [1, 2], [2, 2], {0})]
-    assert Penalties.build(rows[:1], VOCAB, torch.device("cpu")) is None
     logits = torch.randn(2, 4, VOCAB, dtype=torch.bfloat16)
+    assert torch.equal(Penalties.build(rows[:1], VOCAB, torch.device("cpu")).apply(logits[:1]), logits[:1].float())
     adjusted = Penalties.build(rows, VOCAB, torch.device("cpu")).apply(logits)
     assert torch.equal(adjusted[0], logits[0].float()) and not torch.equal(adjusted[1], logits[1].float())
 
