@@ -468,16 +468,14 @@ class SpecEngine:
         """Target features of the committed tokens ``rows`` (flat rows of ``out``) of each request;
         the tokens are the last ``len(rows) + 1`` of the sequence minus the newest (the next root)."""
         needs = self.drafter.needs
-        tokens, positions = [], []
-        for req, n in zip(reqs, num_new):
-            start = req.seq_len - n
-            tokens.append(torch.tensor(req.seq[start:-1]))
-            positions.append(torch.arange(start, req.seq_len - 1))
+        lens = [len(rw) for rw in rows]                                    # num_new - 1 each
+        tokens = torch.tensor([t for req, n in zip(reqs, num_new) for t in req.seq[-n:-1]], dtype=torch.long)
+        positions = torch.tensor([p for req, n in zip(reqs, num_new) for p in range(req.seq_len - n, req.seq_len - 1)],
+                                 dtype=torch.long)
         flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
                           out.hidden.device)
-        lens = [len(rw) for rw in rows]
         return TargetFeatures(
-            request_ids=[r.id for r in reqs], tokens=tokens, positions=positions,
+            request_ids=[r.id for r in reqs], tokens=list(tokens.split(lens)), positions=list(positions.split(lens)),
             next_tokens=[r.seq[-1] for r in reqs],
             hidden=list(out.hidden[flat].split(lens)) if needs.last_hidden else None,
             taps=list(torch.cat([t[flat] for t in out.taps], -1).split(lens)) if needs.layer_taps else None,
