@@ -264,18 +264,12 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         del node["target"]
         return SpecEngine(model, tokenizer=tokenizer, **node)
 
-    def timed(p: PipelineConfig | None, name: str) -> tuple[SpecEngine, list[dict], list[float]]:
-        """``cfg.repeats`` runs of the suite, each on a fresh engine (a drafter that learns across
-        requests starts over): the first run's rows with each batch's fastest time, and every
-        run's total seconds."""
-        runs = []
-        for _ in range(cfg.repeats):
-            engine = engine_for(p)
-            runs.append(run_pipeline(engine, prompts, cfg, name))
+    def fastest(runs: list[list[dict]]) -> list[dict]:
+        """The first run's rows with each batch's fastest time over ``runs``."""
         rows = runs[0]
         for i, row in enumerate(rows):  # (a batch's rows share its time)
             row["seconds"] = min(run[i]["seconds"] for run in runs)
-        return engine, rows, [batch_seconds(run) for run in runs]
+        return rows
 
     all_rows = {}
 
@@ -299,26 +293,51 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         write_report(results, all_rows, out_dir)
 
     print(f"{cfg.name}: {len(prompts)} prompts, target {e.target} on {device}/{str(dtype).split('.')[-1]}")
-    _, baseline, run_seconds = timed(None, "baseline")
+    runs: dict[str, list[list[dict]]] = {"baseline": []} | {p.name: [] for p in pipelines}
+    errors: dict[str, str] = {}   # pipeline -> the error of its run that raised
+
+    def run(p: PipelineConfig | None) -> SpecEngine | None:
+        """One more run of ``p`` (None: the baseline) on a fresh engine (a drafter that learns
+        across requests starts over); None when it raised: a component's bug costs its own
+        pipeline only."""
+        name = p.name if p else "baseline"
+        try:
+            engine = engine_for(p)
+            runs[name].append(run_pipeline(engine, prompts, cfg, name))
+            return engine
+        except Exception as err:
+            if p is None:
+                raise
+            traceback.print_exc()
+            errors[name] = f"{type(err).__name__}: {err}"
+            return None
+
+    # ``repeats`` rounds of the baseline then every pipeline: a drift of the machine's speed (clocks,
+    # heat, other load) falls on every pipeline alike, as it would not on repeats run back to back
+    for _ in range(cfg.repeats - 1):
+        for p in [None, *pipelines]:
+            if p is None or p.name not in errors:
+                run(p)
+    run(None)  # the last round writes the results pipeline by pipeline
+    baseline = fastest(runs["baseline"])
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
                "torch_version": torch.__version__, "git_commit": git_commit(),
                "git_dirty": git_dirty(), "plugins": plugin_sources(),
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "repeats": cfg.repeats, "sampling": dataclasses.asdict(cfg.sampling),
                "pipelines": {"baseline": summarize(baseline, None)}}
-    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": run_seconds}
+    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": [batch_seconds(r) for r in runs["baseline"]]}
     record("baseline", baseline)
     save()
     for p in pipelines:
-        try:
-            engine, rows, run_seconds = timed(p, p.name)
-        except Exception as err:  # a component's bug costs its own pipeline only
-            traceback.print_exc()
-            results["pipelines"][p.name] = {"error": f"{type(err).__name__}: {err}"}
+        engine = run(p) if p.name not in errors else None
+        if engine is None:
+            results["pipelines"][p.name] = {"error": errors[p.name]}
         else:
-            results["pipelines"][p.name] = summarize(rows, baseline)
-            results["pipelines"][p.name] |= {"lossless": engine.verifier.lossless, "run_seconds": run_seconds,
-                                             "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
+            rows = fastest(runs[p.name])
+            results["pipelines"][p.name] = summarize(rows, baseline) | {
+                "lossless": engine.verifier.lossless, "run_seconds": [batch_seconds(r) for r in runs[p.name]],
+                "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)
         save()
     print((out_dir / "results.md").read_text())

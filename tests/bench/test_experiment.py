@@ -133,20 +133,23 @@ def test_warmup_never_shows_a_drafter_a_suite_prompt(tmp_path, tiny_target):
     assert accept[1] == accept[0]
 
 
-def test_repeats_time_fresh_engines_and_keep_each_batch_fastest_run(tmp_path, tiny_target, monkeypatch):
+def test_repeats_time_fresh_engines_in_rounds_and_keep_each_batch_fastest_run(tmp_path, tiny_target, monkeypatch):
     """Every run has its own engine (a drafter that learns across requests, which would speed
-    up later runs, starts over); every pipeline records each run's seconds, and tokens/s takes
-    each batch's fastest run."""
+    up later runs, starts over); the runs go in rounds of the baseline then every pipeline (a
+    drift of the machine's speed falls on all alike); every pipeline records each run's seconds,
+    and tokens/s takes each batch's fastest run."""
     import specflow.bench.experiment as experiment
 
-    engines = []
+    engines, order = [], []
 
     class Counted(experiment.SpecEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             engines.append(self)
 
+    run_pipeline = experiment.run_pipeline
     monkeypatch.setattr(experiment, "SpecEngine", Counted)
+    monkeypatch.setattr(experiment, "run_pipeline", lambda e, p, c, name: order.append(name) or run_pipeline(e, p, c, name))
     path = write_config(tmp_path, tiny_target, """
   - name: global
     drafter: {type: ngram, scope: global, max_window: 4}
@@ -154,6 +157,7 @@ def test_repeats_time_fresh_engines_and_keep_each_batch_fastest_run(tmp_path, ti
     verifier: {type: greedy}""")
     assert main(["run", str(path), "repeats=3", "prompts.categories=[code]", "sampling.max_tokens=16"]) == 0
     assert len(engines) == 2 * 3 and len(set(map(id, engines))) == 6   # baseline and pipeline, 3 runs each
+    assert order == ["baseline", "global"] * 3
     results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())
     for s in results["pipelines"].values():
         assert len(s["run_seconds"]) == 3
@@ -269,7 +273,8 @@ def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
     assert f"engine.target: {tmp_path / 'nowhere'} is not a directory" in capsys.readouterr().err
 
 
-def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_target, capsys):
+@pytest.mark.parametrize("repeats", [1, 2])  # (2: it fails in the first round and runs no more)
+def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_target, capsys, repeats):
     other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """
   - name: pld
@@ -289,10 +294,11 @@ def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_
     (out / "results.md").write_text("| old-pipeline | ... |\n")  # a previous run's report
     with pytest.raises(SystemExit, match="specflow run: error: 1 pipeline\\(s\\) failed: wrong-vocab "
                                          "\\(CheckpointError: draft model vocabulary \\(300\\) differs"):
-        main(["run", str(path), "sampling.max_tokens=4"])
-    assert "Traceback" in capsys.readouterr().err
+        main(["run", str(path), "sampling.max_tokens=4", f"repeats={repeats}"])
+    assert capsys.readouterr().err.count("Traceback") == 1
     pipelines = json.loads((out / "results.json").read_text())["pipelines"]
     assert list(pipelines) == ["baseline", "pld", "wrong-vocab", "after"] and pipelines["after"]["tokens"] == 2 * 4
+    assert len(pipelines["after"]["run_seconds"]) == repeats
     assert pipelines["wrong-vocab"] == {"error": "CheckpointError: draft model vocabulary (300) differs from the "
                                                  "target's (320); a draft model must share the tokenizer"}
     report = (out / "results.md").read_text()
