@@ -303,7 +303,11 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         name = p.name if p else "baseline"
         try:
             engine = engine_for(p)
-            runs[name].append(run_pipeline(engine, prompts, cfg, name))
+            rows = run_pipeline(engine, prompts, cfg, name)
+            if runs[name]:  # only the first run's rows are written, step records and all
+                for r in rows:
+                    del r["step_records"]
+            runs[name].append(rows)
             return engine
         except Exception as err:
             if p is None:
