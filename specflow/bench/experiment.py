@@ -265,8 +265,9 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         return SpecEngine(model, tokenizer=tokenizer, **node)
 
     def fastest(runs: list[list[dict]]) -> list[dict]:
-        """The first run's rows with each batch's fastest time over ``runs``."""
-        rows = runs[0]
+        """The last run's rows (the last round's, whose step records are kept) with each batch's
+        fastest time over ``runs``."""
+        rows = runs[-1]
         for i, row in enumerate(rows):  # (a batch's rows share its time)
             row["seconds"] = min(run[i]["seconds"] for run in runs)
         return rows
@@ -296,15 +297,16 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
     runs: dict[str, list[list[dict]]] = {"baseline": []} | {p.name: [] for p in pipelines}
     errors: dict[str, str] = {}   # pipeline -> the error of its run that raised
 
-    def run(p: PipelineConfig | None) -> SpecEngine | None:
+    def run(p: PipelineConfig | None, last: bool) -> SpecEngine | None:
         """One more run of ``p`` (None: the baseline) on a fresh engine (a drafter that learns
         across requests starts over); None when it raised: a component's bug costs its own
-        pipeline only."""
+        pipeline only. Only the ``last`` round's run keeps its step records (it is written at
+        once), so no round holds the trees of earlier runs."""
         name = p.name if p else "baseline"
         try:
             engine = engine_for(p)
             rows = run_pipeline(engine, prompts, cfg, name)
-            if runs[name]:  # only the first run's rows are written, step records and all
+            if not last:  # only the last round's rows are written, step records and all
                 for r in rows:
                     del r["step_records"]
             runs[name].append(rows)
@@ -321,8 +323,8 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
     for _ in range(cfg.repeats - 1):
         for p in [None, *pipelines]:
             if p is None or p.name not in errors:
-                run(p)
-    run(None)  # the last round writes the results pipeline by pipeline
+                run(p, last=False)
+    run(None, last=True)  # the last round writes the results pipeline by pipeline
     baseline = fastest(runs["baseline"])
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
                "torch_version": torch.__version__, "git_commit": git_commit(),
@@ -334,7 +336,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
     record("baseline", baseline)
     save()
     for p in pipelines:
-        engine = run(p) if p.name not in errors else None
+        engine = run(p, last=True) if p.name not in errors else None
         if engine is None:
             results["pipelines"][p.name] = {"error": errors[p.name]}
         else:

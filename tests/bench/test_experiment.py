@@ -166,6 +166,40 @@ def test_repeats_time_fresh_engines_in_rounds_and_keep_each_batch_fastest_run(tm
     assert "best of 3 runs" in (tmp_path / "runs" / "tiny" / "results.md").read_text()
 
 
+def test_repeats_hold_one_run_of_step_records_at_a_time(tmp_path, tiny_target, monkeypatch):
+    """With engine.record_steps and repeats, a run's step records (the trees of a whole suite)
+    are written and dropped before the next run starts: rounds of every pipeline do not hold
+    each pipeline's trees until the last round; steps.jsonl holds one run's steps a pipeline."""
+    import specflow.bench.experiment as experiment
+
+    returned, held = [], []
+    run_pipeline = experiment.run_pipeline
+
+    def counted(e, p, c, name):
+        held.append(sum("step_records" in rows[0] for rows in returned))  # runs whose trees are still held
+        returned.append(run_pipeline(e, p, c, name))
+        return returned[-1]
+
+    monkeypatch.setattr(experiment, "run_pipeline", counted)
+    path = write_config(tmp_path, tiny_target, """
+  - name: a
+    drafter: {type: ngram, max_window: 3}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}
+  - name: b
+    drafter: {type: ngram, max_window: 3}
+    tree: {type: chain, depth: 3}
+    verifier: {type: greedy}""")
+    assert main(["run", str(path), "repeats=2", "prompts.categories=[code]", "sampling.max_tokens=6",
+                 "engine.record_steps=true"]) == 0
+    assert held == [0] * 6
+    out = tmp_path / "runs" / "tiny"
+    rows, steps = read_jsonl(out / "rows.jsonl"), read_jsonl(out / "steps.jsonl")
+    assert [r["pipeline"] for r in rows] == ["baseline", "a", "b"]
+    for r in rows:  # one run's steps each, those of the run whose rows are written
+        assert len([s for s in steps if s["pipeline"] == r["pipeline"]]) == r["steps"]
+
+
 def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
     other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """
