@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -180,10 +181,7 @@ class SpecEngine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), the target's vocabulary")
-        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)  # (specflow.penalties indexes with them)
-            if bad is not None:
-                raise ValueError(f"{name} token id {bad} is not in [0, {vocab}), the target's vocabulary")
+        params.check_vocab(vocab)
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
@@ -423,7 +421,8 @@ class SpecEngine:
         """The batch's history-dependent logit adjustments (specflow.penalties), None without any."""
         if not any(r.params.adjusts_logits for r in batch):
             return None
-        return Penalties.build([History(r.params, r.distinct_prompt_ids, r.output_ids, r.stop_ids) for r in batch],
+        return Penalties.build([History(r.params, r.distinct_prompt_ids if r.params.repetition_penalty != 1 else (),
+                                        r.output_ids, r.stop_ids) for r in batch],
                                self.model.config.vocab_size, self.device)
 
     @staticmethod
@@ -469,9 +468,10 @@ class SpecEngine:
         the tokens are the last ``len(rows) + 1`` of the sequence minus the newest (the next root)."""
         needs = self.drafter.needs
         lens = [len(rw) for rw in rows]                                    # num_new - 1 each
-        tokens = torch.tensor([t for req, n in zip(reqs, num_new) for t in req.seq[-n:-1]], dtype=torch.long)
-        positions = torch.tensor([p for req, n in zip(reqs, num_new) for p in range(req.seq_len - n, req.seq_len - 1)],
-                                 dtype=torch.long)
+        tokens = torch.from_numpy(np.concatenate([np.array(req.seq[-n:-1], dtype=np.int64)  # (no per-token loop:
+                                                  for req, n in zip(reqs, num_new)]))         # prompts are long)
+        positions = torch.from_numpy(np.concatenate([np.arange(req.seq_len - n, req.seq_len - 1)
+                                                     for req, n in zip(reqs, num_new)]))
         flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
                           out.hidden.device)
         return TargetFeatures(

@@ -102,6 +102,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ValueError, naming the field, for a ``logit_bias`` or ``stop_token_ids`` id outside
+        [0, vocab) (specflow.penalties indexes [B, V] tensors with them)."""
+        for name, token_ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is not in [0, {vocab}), the target's vocabulary")
+
     @property
     def penalizes(self) -> bool:
         """Whether a penalty counts the request's history."""

@@ -259,20 +259,17 @@ class OpenAIServing:
                 prompt_logprobs: int | None = None) -> SamplingParams:
         """Choice ``choice``'s SamplingParams; a value they refuse (a ``min_tokens`` past the
         request's max tokens, a ``logit_bias`` token past the vocabulary) is a 400 naming it."""
-        bias, vocab = body.token_bias(), self.loop.engine.model.config.vocab_size
-        for param, ids in (("logit_bias", bias or ()), ("stop_token_ids", body.stop_token_ids or ())):
-            if any(not 0 <= t < vocab for t in ids):
-                raise ApiError(400, f"{param} has token id {next(t for t in ids if not 0 <= t < vocab)}, outside "
-                                    f"this model's vocabulary (ids 0 to {vocab - 1})", param=param)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
                 max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
                 stop_token_ids=body.stop_token_ids or [],
                 ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, logit_bias=bias,
+                prompt_logprobs=prompt_logprobs, logit_bias=body.token_bias(),
                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
+            params.check_vocab(self.loop.engine.model.config.vocab_size)
+            return params
         except ValueError as e:   # its message starts with the field's name
             raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
