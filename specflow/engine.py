@@ -545,13 +545,15 @@ class SpecEngine:
         computed ``PROMPT_LOGITS_ROWS`` rows at a time and the logprobs come back in one copy."""
         if not reqs:
             return
-        rows = [i for b, _ in reqs for i in range(out.offsets[b], out.offsets[b + 1] - 1)]  # each prompt but its last
-        tokens = [t for _, req in reqs for t in req.prompt_ids[1:]]                         # token, and what followed
+        rows = torch.from_numpy(np.concatenate([np.arange(out.offsets[b], out.offsets[b + 1] - 1)  # each prompt
+                                                for b, _ in reqs]))                               # but its last token,
+        tokens = torch.from_numpy(np.concatenate([np.array(req.prompt_ids[1:], dtype=np.int64)   # and what followed
+                                                  for _, req in reqs]))
         top_n = max(req.params.prompt_logprobs for _, req in reqs)
         parts = []
         for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
-            at, ids = to_device([torch.tensor(rows[start:start + PROMPT_LOGITS_ROWS]),
-                                 torch.tensor(tokens[start:start + PROMPT_LOGITS_ROWS])], out.hidden.device)
+            at, ids = to_device([rows[start:start + PROMPT_LOGITS_ROWS], tokens[start:start + PROMPT_LOGITS_ROWS]],
+                                out.hidden.device)
             parts.append(logprob_rows(self.model.compute_logits(out.hidden[at]), ids, top_n))  # [r], [r, n], [r, n]
         values = to_host([torch.cat(x) for x in zip(*parts)]) if parts else []
         start = 0
