@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,86 +13,25 @@ import torch
 from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
-from specflow.models import LlamaForCausalLM, load_model
+from specflow.logprobs import add_prompt_logprobs, add_token_logprobs
+from specflow.models import LlamaForCausalLM, load_model, load_tokenizer
+from specflow.overlap import OverlapDecoding
 from specflow.penalties import History, Penalties
-from specflow.pipeline import EngineConfig, Pipeline
+from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.protocols import TargetFeatures
-from specflow.request import Request, RequestOutput, Status
-from specflow.runtime.attention import BACKENDS
+from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
-from specflow.runtime.transfer import HostCopy, to_device, to_host
-from specflow.sampling import SamplingBatch, SamplingParams, logprob_rows, next_tokens, to_token_logprobs
+from specflow.runtime.transfer import to_device, to_host
+from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
 from specflow.scheduler import Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
-
-# prompt logits computed at once for prompt_logprobs: [rows, V] in float32 is 0.5 GiB for a
-# 128k-token vocabulary; a whole 16k-token prefill at once would take ~25 GiB (the logits, a
-# float32 copy, the log-softmax), past what the KV cache leaves free
-PROMPT_LOGITS_ROWS = 1024
-
-
-def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
-    """``"auto"`` picks cuda + bfloat16 when a GPU is present, else cpu + float32."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"device: '{device}' is not a torch device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise ConfigError(f"device: '{device}', but torch sees {torch.cuda.device_count()} CUDA device(s) "
-                          f"(torch {torch.__version__}); use device: cpu or auto")
-    if dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype: '{dtype}' is not one of auto, float32, bfloat16, float16")
-        dtype = getattr(torch, dtype)
-    return device, dtype
-
-
-def check_runtime(backend: str, page_size: int, kv_cache_tokens: int, max_batch_size: int,
-                  spec_max_batch_size: int | None, max_prefill_tokens: int | None) -> None:
-    """Fail on a bad runtime setting before the target loads."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
-    for key, value in (("page_size", page_size), ("kv_cache_tokens", kv_cache_tokens),
-                       ("max_batch_size", max_batch_size)):
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if spec_max_batch_size is not None and spec_max_batch_size < 0:
-        raise ConfigError(f"spec_max_batch_size must be >= 0 or null, got {spec_max_batch_size}")
-    if max_prefill_tokens is not None and max_prefill_tokens < 1:
-        raise ConfigError(f"max_prefill_tokens must be >= 1 or null (no bound), got {max_prefill_tokens}")
-
-
-def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer, or None when the directory has none."""
-    path = Path(path)
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-@dataclass
-class InFlight:
-    """A plain decoding step whose tokens the host has not read yet."""
-
-    batch: list[Request]
-    rows: dict[int, int]     # request id -> its row
-    tokens: Tensor           # [B] int64 on the device: the roots of the next step
-    landing: HostCopy        # the same tokens on their way to the host, with logprob_rows' if asked for
-    launched: float          # perf_counter at the launch (StepRecord timings)
-
 
 class SpecEngine:
     """Speculative decoding over a target model with continuous batching.
 
     ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
-    speedup), one step ahead of the host (``_decode``). Component nodes are
+    speedup), one step ahead of the host (specflow.overlap). Component nodes are
     ``{"type": name, **params}`` mappings (see ``specflow list``). ``check_drafts`` checks every
     drafted tree (structure, token ids in the vocabulary, finite non-negative q) and names the
     drafter that broke one: for developing drafters (it waits for the device every step).
@@ -149,7 +87,7 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
-        self._in_flight: InFlight | None = None  # plain decoding: the step launched, not yet landed
+        self._plain = OverlapDecoding(self) if self.drafter is None else None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -269,7 +207,7 @@ class SpecEngine:
         last tokens landed in it, one step after their forward)."""
         finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
         if self.drafter is None:
-            return finished + self._decode()
+            return finished + self._plain.step()
         while self.scheduler.running:
             batch = list(self.scheduler.running)
             roots = self._roots(batch)
@@ -325,39 +263,10 @@ class SpecEngine:
             return DraftTree.root_only(roots), []
         drafting = roots if len(rows) == len(batch) else roots.select(rows)
         tree = self.tree_builder.build(self.drafter, drafting)
-        vocab = self.model.config.vocab_size
-        if tree.draft_probs is not None and tree.draft_probs.shape[-1] != vocab:  # (a shape: no wait)
-            raise ValueError(f"the {type(self.drafter).__name__} drafter with the {type(self.tree_builder).__name__} "
-                             f"returned draft probabilities q over {tree.draft_probs.shape[-1]} tokens; the target's "
-                             f"vocabulary has {vocab}")
-        if self.check_drafts:
-            self._check_tree(tree, drafting)
+        self.pipeline.check_tree(tree, drafting, self.model.config.vocab_size, full=self.check_drafts)
         if len(rows) == len(batch):
             return tree, rows
         return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree), rows
-
-    def _check_tree(self, tree: DraftTree, roots: Roots) -> None:
-        """``check_drafts``: the tree's structure, its root (the request's last committed token at
-        its position), its token ids and its drafts' q, each read back from the device (a wait per
-        step: for developing drafters, not for timing them)."""
-        where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree_builder).__name__}"
-        try:
-            tree.check()
-        except AssertionError as e:
-            raise ValueError(f"{where} built an invalid draft tree: {e}") from None
-        for name, built, want in (("token", tree.tokens[:, 0], roots.tokens),
-                                  ("position", tree.positions[:, 0], roots.positions)):
-            built, want = built.cpu().long(), want.cpu().long()
-            if not torch.equal(built, want):
-                raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
-                                 f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are {want.tolist()}")
-        tokens, vocab = tree.tokens[tree.valid], self.model.config.vocab_size
-        if bool(((tokens < 0) | (tokens >= vocab)).any()):
-            raise ValueError(f"{where} drafted token ids outside [0, {vocab}) (the target's vocabulary): "
-                             f"min {int(tokens.min())}, max {int(tokens.max())}")
-        q = tree.draft_probs
-        if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
-            raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
 
     def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
         """One batched target pass over every tree: every node when CUDA graphs want one fixed
@@ -450,7 +359,7 @@ class SpecEngine:
                                             new[-1], timings, len(batch)))
             if not req.finished:
                 live.append((b, req, accepted))
-        self._add_logprobs(out.logits, logprobs)
+        add_token_logprobs(out.logits, logprobs)
         finished = [self._finish(req) for req in batch if req.finished]
         if live:
             rows = [b for b, _, _ in live]
@@ -503,7 +412,8 @@ class SpecEngine:
         drawing = [reqs[b] for b in rows]
         first = next_tokens(self._adjusted(logits, self._penalties(drawing)), self._sampling(drawing))
         first = dict(zip(rows, first.tolist()))
-        self._add_prompt_logprobs([(b, r) for b, r in enumerate(reqs) if fresh[b] and r.prompt_logprobs is not None],
+        add_prompt_logprobs(self.model, [(b, r) for b, r in enumerate(reqs)
+                                         if fresh[b] and r.prompt_logprobs is not None],
                                   out)
         live, logprobs = [], []
         for b, (req, f) in enumerate(zip(reqs, fresh)):
@@ -513,7 +423,7 @@ class SpecEngine:
                     logprobs.append((req, [b], [first[b]]))
             if not req.finished:
                 live.append((b, req, len(inputs[b])))
-        self._add_logprobs(out.logits, logprobs)
+        add_token_logprobs(out.logits, logprobs)
         finished = [self._finish(req) for req in reqs if req.finished]
         if self.drafter is not None and live:
             self._drafting.update(req.id for _, req, _ in live)
@@ -521,124 +431,6 @@ class SpecEngine:
                 [req for _, req, _ in live],
                 [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
                 out, [n + 1 for _, _, n in live]))
-        return finished
-
-    @staticmethod
-    def _add_logprobs(logits: Tensor, entries: list[tuple[Request, list[int], list[int]]]) -> None:
-        """Each entry (request, rows of ``logits``, the tokens committed there): the tokens'
-        logprobs appended to the request's, computed for the whole batch with one copy back."""
-        if not entries:
-            return
-        rows, tokens = ([i for e in entries for i in e[k]] for k in (1, 2))
-        rows, device_tokens = to_device([torch.tensor(rows), torch.tensor(tokens)], logits.device)
-        top_n = max(req.params.logprobs for req, _, _ in entries)
-        values = to_host(logprob_rows(logits[rows], device_tokens, top_n))          # [T], [T, n], [T, n]
-        start = 0
-        for req, _, tokens in entries:
-            end = start + len(tokens)
-            req.logprobs += to_token_logprobs(tokens, [x[start:end] for x in values], req.params.logprobs)
-            start = end
-
-    def _add_prompt_logprobs(self, reqs: list[tuple[int, Request]], out: ExtendOutput) -> None:
-        """The prompt logprobs of each (row of ``out``, request) prefilled: its prompt token i from
-        the logits of row i - 1, which the forward computed only the last of. The logits are
-        computed ``PROMPT_LOGITS_ROWS`` rows at a time and the logprobs come back in one copy."""
-        if not reqs:
-            return
-        rows = torch.from_numpy(np.concatenate([np.arange(out.offsets[b], out.offsets[b + 1] - 1)  # each prompt
-                                                for b, _ in reqs]))                               # but its last token,
-        tokens = torch.from_numpy(np.concatenate([np.array(req.prompt_ids[1:], dtype=np.int64)   # and what followed
-                                                  for _, req in reqs]))
-        top_n = max(req.params.prompt_logprobs for _, req in reqs)
-        parts = []
-        for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
-            at, ids = to_device([rows[start:start + PROMPT_LOGITS_ROWS], tokens[start:start + PROMPT_LOGITS_ROWS]],
-                                out.hidden.device)
-            parts.append(logprob_rows(self.model.compute_logits(out.hidden[at]), ids, top_n))  # [r], [r, n], [r, n]
-        values = to_host([torch.cat(x) for x in zip(*parts)]) if parts else []
-        start = 0
-        for _, req in reqs:
-            n = len(req.prompt_ids) - 1
-            req.prompt_logprobs.append(None)  # (the first token has no context)
-            if n:
-                req.prompt_logprobs += to_token_logprobs(req.prompt_ids[1:], [x[start:start + n] for x in values],
-                                                         req.params.prompt_logprobs)
-            start += n
-
-    # ----------------------------------------------------------------------------------------
-    # plain decoding, one step ahead of the host
-
-    def _decode(self) -> list[RequestOutput]:
-        """One plain decoding step, overlapped as SGLang's scheduler does: launch step t + 1 from
-        step t's tokens while they are still on the device, then land step t's (append, stop
-        checks, outputs) while the GPU runs t + 1, so the host's work hides behind the kernels.
-        A request that step t finishes by a stop token or string has a row in t + 1 that is
-        dropped unread; one that reaches max_tokens is not launched again."""
-        finished = []
-        while True:
-            batch = [r for r in self.scheduler.running if len(r.output_ids) + self._ahead(r) < r.params.max_tokens]
-            try:
-                launched = self._launch(batch) if batch else None
-                break
-            except OutOfPages:  # land what is in flight first: it may finish requests and free pages
-                if self._in_flight is None:
-                    finished += self._preempt()
-                else:
-                    flight, self._in_flight = self._in_flight, None
-                    finished += self._land(flight)
-        flight, self._in_flight = self._in_flight, launched
-        return finished + self._land(flight)
-
-    def _ahead(self, req: Request) -> int:
-        """Tokens of ``req`` in flight (0 or 1)."""
-        return int(self._in_flight is not None and req.id in self._in_flight.rows)
-
-    def _launch(self, batch: list[Request]) -> InFlight:
-        """Queue one target forward and sampling over ``batch``'s roots (the in-flight step's
-        tokens where it has one, else the sequence's last); nothing is read back."""
-        t0, ahead = time.perf_counter(), self._in_flight
-        rows = [ahead.rows.get(r.id, -1) if ahead else -1 for r in batch]
-        if ahead is not None and rows == list(range(len(ahead.batch))):  # the same batch as the last step
-            roots = ahead.tokens
-        else:  # in-flight tokens first, then the others' last tokens
-            carried = ahead.tokens if ahead is not None else torch.empty(0, dtype=torch.long, device=self.device)
-            fresh, where = [], []
-            for r, i in zip(batch, rows):
-                where.append(i if i >= 0 else len(carried) + len(fresh))
-                if i < 0:
-                    fresh.append(r.seq[-1])
-            where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.device)
-            roots = torch.cat([carried, fresh])[where]                                 # [B]
-        out = self.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
-        in_flight, penalties = [i >= 0 for i in rows], self._penalties(batch)
-        if penalties is not None and ahead is not None:  # the roots in flight are generated tokens too
-            penalties = penalties.after(roots, to_device([torch.tensor(in_flight)], self.device)[0])
-        tokens = next_tokens(self._adjusted(out.logits, penalties), self._sampling(batch, in_flight))  # [B]
-        top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
-        logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
-        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)
-
-    def _land(self, flight: InFlight | None) -> list[RequestOutput]:
-        """Commit ``flight``'s tokens on the host (appends, stop checks, logprobs, step records);
-        requests finished or aborted since its launch are skipped."""
-        if flight is None:
-            return []
-        tokens, *logprobs = flight.landing.wait()
-        timings = {"draft": 0.0, "verify": time.perf_counter() - flight.launched}  # launch to landing
-        finished = []
-        for b, (req, token) in enumerate(zip(flight.batch, tokens.tolist())):
-            if req.status is not Status.RUNNING:
-                continue
-            root = req.seq[-1]
-            req.accept_lengths.append(req.append([token]))
-            if req.logprobs is not None:
-                req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
-            if self.record_steps:  # the one-node tree of DraftTree.root_only
-                tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
-                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings,
-                                            len(flight.batch)))
-            if req.finished:
-                finished.append(self._finish(req))
         return finished
 
     def _preempt(self) -> list[RequestOutput]:

@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from specflow.config import ConfigError, build_component, component_config
 from specflow.protocols import Drafter, TreeBuilder, Verifier
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
+from specflow.runtime.attention import BACKENDS
+from specflow.tree import DraftTree, Roots
 
 
 @dataclass
@@ -39,6 +42,41 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     record_steps: bool = False
     check_drafts: bool = False     # check every drafted tree (structure, token ids, q): for new drafters
+
+
+def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """``"auto"`` picks cuda + bfloat16 when a GPU is present, else cpu + float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device: '{device}' is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"device: '{device}', but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                          f"(torch {torch.__version__}); use device: cpu or auto")
+    if dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: '{dtype}' is not one of auto, float32, bfloat16, float16")
+        dtype = getattr(torch, dtype)
+    return device, dtype
+
+
+def check_runtime(backend: str, page_size: int, kv_cache_tokens: int, max_batch_size: int,
+                  spec_max_batch_size: int | None, max_prefill_tokens: int | None) -> None:
+    """Fail on a bad runtime setting before the target loads."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
+    for key, value in (("page_size", page_size), ("kv_cache_tokens", kv_cache_tokens),
+                       ("max_batch_size", max_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if spec_max_batch_size is not None and spec_max_batch_size < 0:
+        raise ConfigError(f"spec_max_batch_size must be >= 0 or null, got {spec_max_batch_size}")
+    if max_prefill_tokens is not None and max_prefill_tokens < 1:
+        raise ConfigError(f"max_prefill_tokens must be >= 1 or null (no bound), got {max_prefill_tokens}")
 
 
 @dataclass
@@ -80,6 +118,36 @@ class Pipeline:
                 raise ConfigError(f"{where}{key}: {e}") from None
         _check_drafter(drafter, where + "drafter")
         return built[0], built[1]
+
+    def check_tree(self, tree: DraftTree, roots: Roots, vocab_size: int, full: bool = False) -> None:
+        """Refuse a drafted tree, naming the drafter and tree builder: q over another vocabulary
+        (a shape: always, no wait); with ``full`` (``check_drafts``), also the tree's structure,
+        its root (the request's last committed token at its position), its token ids and its
+        drafts' q, each read back from the device (a wait per step: for developing drafters, not
+        for timing them)."""
+        where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
+        q = tree.draft_probs
+        if q is not None and q.shape[-1] != vocab_size:
+            raise ValueError(f"{where} returned draft probabilities q over {q.shape[-1]} tokens; the target's "
+                             f"vocabulary has {vocab_size}")
+        if not full:
+            return
+        try:
+            tree.check()
+        except AssertionError as e:
+            raise ValueError(f"{where} built an invalid draft tree: {e}") from None
+        for name, built, want in (("token", tree.tokens[:, 0], roots.tokens),
+                                  ("position", tree.positions[:, 0], roots.positions)):
+            built, want = built.cpu().long(), want.cpu().long()
+            if not torch.equal(built, want):
+                raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
+                                 f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are {want.tolist()}")
+        tokens = tree.tokens[tree.valid]
+        if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+            raise ValueError(f"{where} drafted token ids outside [0, {vocab_size}) (the target's vocabulary): "
+                             f"min {int(tokens.min())}, max {int(tokens.max())}")
+        if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
+            raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
 
     def describe(self) -> str:
         if self.drafter is None:

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from tokenizers.decoders import DecodeStream
 
-from specflow.sampling import SamplingParams, TokenLogprob, make_generator, request_seed, salted_seeds
+from specflow.logprobs import TokenLogprob
+from specflow.sampling import SamplingParams, make_generator, request_seed, salted_seeds
 from specflow.tree import StepRecord
 
 

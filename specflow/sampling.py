@@ -133,16 +133,6 @@ def _is_bias(bias) -> bool:
         and isinstance(x, numbers.Real) and not isinstance(x, bool) and _float32(x) for t, x in bias.items())
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    """One committed token's log-probability under the target, with the most likely alternatives
-    ``top`` as ``(token_id, logprob)`` pairs, best first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
 @dataclass
 class SamplingBatch:
     """Per-request sampling parameters of a batch as tensors, with each request's seed and the
@@ -336,22 +326,3 @@ def next_tokens(logits: Tensor, sampling: SamplingBatch, u: Tensor | None = None
         return logits.argmax(-1)
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
     return sample_rows(probs, sampling.draws(0, probs.device)[:, 0] if u is None else u)
-
-
-def logprob_rows(logits: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
-    """Log-probabilities of ``tokens`` [T] under the raw target distribution of each row of
-    ``logits`` [T, V] (before temperature, top-k, top-p and min-p: the model's own numbers, the
-    same for greedy and sampled requests), where the logits lie: ``[chosen [T], top logprobs
-    [T, n], their ids [T, n]]`` for the ``top_n`` most likely tokens of each row."""
-    logp = torch.log_softmax(logits.float(), dim=-1)                                    # [T, V]
-    chosen = logp.gather(-1, tokens.view(-1, 1))[:, 0]                                  # [T]
-    top_lp, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)                     # [T, n]
-    return [chosen, top_lp, top_ids]
-
-
-def to_token_logprobs(tokens: list[int], rows: list[Tensor], top_n: int) -> list[TokenLogprob]:
-    """``logprob_rows``' tensors, on the host, as one TokenLogprob per token with its first
-    ``top_n`` alternatives."""
-    chosen, top_lp, top_ids = (r.tolist() for r in rows)
-    return [TokenLogprob(t, lp, list(zip(ids[:top_n], lps[:top_n])))
-            for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lp)]

@@ -114,12 +114,12 @@ def test_a_batch_with_different_logprob_counts(name, request):
 def test_prompt_logprobs_take_the_prompt_logits_a_slice_at_a_time(plain, monkeypatch):
     """A long prompt's (or a long prefill's) [P, V] logits are never all live at once: the
     logits of a 16k-token prefill with a 128k vocabulary would take ~25 GiB."""
-    import specflow.engine
+    import specflow.logprobs
 
     asked = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
     prompts = [PROMPTS[0] * 3, [7], PROMPTS[1] * 2]                                 # 27, 1 and 10 tokens
     whole = plain.generate(prompts, asked)
-    monkeypatch.setattr(specflow.engine, "PROMPT_LOGITS_ROWS", 8, raising=False)
+    monkeypatch.setattr(specflow.logprobs, "PROMPT_LOGITS_ROWS", 8)
     rows, compute = [], plain.model.compute_logits
     monkeypatch.setattr(plain.model, "compute_logits", lambda hidden: rows.append(len(hidden)) or compute(hidden))
     sliced = plain.generate(prompts, asked)

@@ -24,8 +24,8 @@ import verifiers  # noqa: F401
 from specflow.bench import gpu
 from specflow.bench.experiment import load_experiment
 from specflow.bench.prompts import load_suite
-from specflow.engine import SpecEngine, load_tokenizer
-from specflow.models import load_model
+from specflow.engine import SpecEngine
+from specflow.models import load_model, load_tokenizer
 from specflow.sampling import SamplingParams
 
 CONFIG = "configs/zoo_eval.yaml"

@@ -18,9 +18,9 @@ import yaml
 from specflow.app.stats import RunStats
 from specflow.bench.experiment import PipelineConfig, SamplingConfig, load_experiment
 from specflow.config import ConfigError, component_config, load_yaml
-from specflow.engine import SpecEngine, load_tokenizer, resolve_device
-from specflow.models import CheckpointError, load_model
-from specflow.pipeline import EngineConfig
+from specflow.engine import SpecEngine
+from specflow.models import CheckpointError, load_model, load_tokenizer
+from specflow.pipeline import EngineConfig, resolve_device
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS, RegistryError, describe
 from specflow.sampling import SamplingParams
 from specflow.tree import StepRecord

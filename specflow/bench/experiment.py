@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 from specflow.bench.prompts import Prompt, load_suite
 from specflow.bench.report import best_pipeline, write_report
 from specflow.config import ConfigError, dump_yaml, load_yaml, validate
-from specflow.engine import SpecEngine, check_runtime, load_tokenizer, resolve_device
-from specflow.models import load_model
-from specflow.pipeline import EngineConfig, Pipeline
+from specflow.engine import SpecEngine
+from specflow.models import load_model, load_tokenizer
+from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.registry import plugin_sources
 from specflow.sampling import SamplingParams
 

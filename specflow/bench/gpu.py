@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from specflow.bench.decode import best_times
-from specflow.engine import SpecEngine, resolve_device
+from specflow.engine import SpecEngine
 from specflow.models import LlamaForCausalLM, ModelConfig
 from specflow.models.llama import checkpoint_state
+from specflow.pipeline import resolve_device
 from specflow.sampling import SamplingParams
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json, as a ModelConfig

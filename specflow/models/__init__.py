@@ -2,6 +2,6 @@
 
 from specflow.models.config import CheckpointError, ModelConfig
 from specflow.models.llama import LlamaForCausalLM
-from specflow.models.loader import load_model, save_model
+from specflow.models.loader import load_model, load_tokenizer, save_model
 
-__all__ = ["CheckpointError", "LlamaForCausalLM", "ModelConfig", "load_model", "save_model"]
+__all__ = ["CheckpointError", "LlamaForCausalLM", "ModelConfig", "load_model", "load_tokenizer", "save_model"]

@@ -171,3 +171,13 @@ def save_model(model: LlamaForCausalLM, path: str | Path) -> None:
     if model.config.tie_word_embeddings:
         del state["lm_head.weight"]
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    path = Path(path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -15,7 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from specflow.request import RequestOutput
-from specflow.sampling import SamplingParams, TokenLogprob
+from specflow.logprobs import TokenLogprob
+from specflow.sampling import SamplingParams
 from specflow.serve.engine_loop import Delta, EngineLoop, Submission
 from specflow.serve.protocol import (
     AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,

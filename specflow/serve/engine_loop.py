@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from specflow.engine import SpecEngine
 from specflow.request import RequestOutput
-from specflow.sampling import SamplingParams, TokenLogprob
+from specflow.logprobs import TokenLogprob
+from specflow.sampling import SamplingParams
 from specflow.serve.metrics import Metrics
 
 log = logging.getLogger("specflow.serve")
