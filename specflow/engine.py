@@ -24,7 +24,7 @@ from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
-from specflow.scheduler import Scheduler
+from specflow.scheduler import Chunk, Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
 
 class SpecEngine:
@@ -87,6 +87,8 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
+        # target features (hidden, taps) of the chunks prefilled so far, for the drafter's begin
+        self._held: dict[int, list[tuple[Tensor | None, Tensor | None]]] = {}
         self._plain = OverlapDecoding(self) if self.drafter is None else None
 
     @classmethod
@@ -371,78 +373,100 @@ class SpecEngine:
                 out, [len(acc) + 1 for _, _, acc in live]))
         return finished
 
-    def _features(self, reqs: list[Request], rows: list[list[int]], out: ExtendOutput,
-                  num_new: list[int]) -> TargetFeatures:
-        """Target features of the committed tokens ``rows`` (flat rows of ``out``) of each request;
-        the tokens are the last ``len(rows) + 1`` of the sequence minus the newest (the next root)."""
-        needs = self.drafter.needs
-        lens = [len(rw) for rw in rows]                                    # num_new - 1 each
+    def _features(self, reqs: list[Request], rows: list[list[int]], out: ExtendOutput, num_new: list[int],
+                  held: list[list[tuple[Tensor | None, Tensor | None]]] | None = None) -> TargetFeatures:
+        """Target features of the committed tokens ``rows`` (flat rows of ``out``) of each request,
+        after those ``held`` from earlier chunks of its prefill; the tokens are the last
+        ``num_new`` of the sequence minus the newest (the next root)."""
+        lens = [n - 1 for n in num_new]
         tokens = torch.from_numpy(np.concatenate([np.array(req.seq[-n:-1], dtype=np.int64)  # (no per-token loop:
                                                   for req, n in zip(reqs, num_new)]))         # prompts are long)
         positions = torch.from_numpy(np.concatenate([np.arange(req.seq_len - n, req.seq_len - 1)
                                                      for req, n in zip(reqs, num_new)]))
         flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
                           out.hidden.device)
+        hidden, taps = self._target_features(out, flat)
+        split = [len(rw) for rw in rows]
+        hidden, taps = (None if x is None else list(x.split(split)) for x in (hidden, taps))
+        for i, pieces in enumerate(held or []):
+            for k, x in enumerate((hidden, taps)):
+                if pieces and x is not None:
+                    x[i] = torch.cat([*(p[k] for p in pieces), x[i]])
         return TargetFeatures(
             request_ids=[r.id for r in reqs], tokens=list(tokens.split(lens)), positions=list(positions.split(lens)),
-            next_tokens=[r.seq[-1] for r in reqs],
-            hidden=list(out.hidden[flat].split(lens)) if needs.last_hidden else None,
-            taps=list(torch.cat([t[flat] for t in out.taps], -1).split(lens)) if needs.layer_taps else None,
-            contexts=[r.seq for r in reqs])
+            next_tokens=[r.seq[-1] for r in reqs], hidden=hidden, taps=taps, contexts=[r.seq for r in reqs])
 
-    def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
-        """Compute the K/V of each admitted request's sequence but its last token (the first root).
+    def _target_features(self, out: ExtendOutput, rows: Tensor | slice) -> tuple[Tensor | None, Tensor | None]:
+        """The drafter's target features of ``rows`` of ``out``: hidden [n, H] and taps
+        [n, len(layer_taps) * H], each None where the drafter does not read it."""
+        needs = self.drafter.needs
+        hidden = out.hidden[rows] if needs.last_hidden else None
+        taps = torch.cat([t[rows] for t in out.taps], -1) if needs.layer_taps else None
+        return hidden, taps
 
-        New requests sample their first token from the prompt's last logits; requests resumed
-        after preemption already have it.
+    def _prefill(self, chunks: list[Chunk]) -> list[RequestOutput]:
+        """Compute the K/V of this step's chunks of each admitted request's prefill input (a new
+        request's prompt, a resumed one's sequence but its root, the first root).
+
+        A request whose last chunk is among them is ready: a new one samples its first token from
+        the prompt's last logits (a resumed one already has it), and the drafter begins it with
+        the target features of its whole input (those of earlier chunks held until then).
         """
-        if not reqs:
+        if not chunks:
             return []
-        fresh = [not r.output_ids for r in reqs]
-        inputs = [r.prompt_ids if f else r.seq[:-1] for r, f in zip(reqs, fresh)]
+        reqs = [c.req for c in chunks]
         needs = self.drafter.needs if self.drafter else None
         try:
-            out = self.runner.extend([r.id for r in reqs], inputs, logits="last",
-                                     taps=needs.layer_taps if needs else ())
+            out = self.runner.extend([r.id for r in reqs], [r.prefill_ids[c.start:c.end] for r, c in zip(reqs, chunks)],
+                                     logits="last", taps=needs.layer_taps if needs else ())
         except OutOfPages:
-            self.scheduler.requeue(reqs)
+            self.scheduler.requeue(chunks)
             return []
-        rows = [b for b, f in enumerate(fresh) if f]  # (a resumed request's generator draws nothing)
+        fresh = [not r.output_ids for r in reqs]
+        add_prompt_logprobs(self.model, [(b, c.req, c.start, c.last) for b, c in enumerate(chunks)
+                                         if fresh[b] and c.req.prompt_logprobs is not None], out)
+        for b, c in enumerate(chunks):
+            c.req.prefilled = c.end
+            if not c.last and needs is not None and (needs.last_hidden or needs.layer_taps):
+                self._held.setdefault(c.req.id, []).append(self._target_features(out, slice(*out.offsets[b:b + 2])))
+        rows = [b for b, c in enumerate(chunks) if c.last and fresh[b]]  # (a resumed request's generator draws nothing)
         logits = out.logits if len(rows) == len(reqs) else out.logits[rows]
         drawing = [reqs[b] for b in rows]
         first = next_tokens(self._adjusted(logits, self._penalties(drawing)), self._sampling(drawing))
         first = dict(zip(rows, first.tolist()))
-        add_prompt_logprobs(self.model, [(b, r) for b, r in enumerate(reqs)
-                                         if fresh[b] and r.prompt_logprobs is not None],
-                                  out)
         live, logprobs = [], []
-        for b, (req, f) in enumerate(zip(reqs, fresh)):
-            if f:
+        for b, req in enumerate(reqs):
+            if b in first:
                 req.append([first[b]])
                 if req.logprobs is not None:
                     logprobs.append((req, [b], [first[b]]))
-            if not req.finished:
-                live.append((b, req, len(inputs[b])))
+            if chunks[b].last and not req.finished:
+                live.append((b, req))
         add_token_logprobs(out.logits, logprobs)
         finished = [self._finish(req) for req in reqs if req.finished]
         if self.drafter is not None and live:
-            self._drafting.update(req.id for _, req, _ in live)
+            self._drafting.update(req.id for _, req in live)
             self.drafter.begin(self._features(
-                [req for _, req, _ in live],
-                [list(range(out.offsets[b], out.offsets[b + 1])) for b, _, _ in live],
-                out, [n + 1 for _, _, n in live]))
+                [req for _, req in live],
+                [list(range(out.offsets[b], out.offsets[b + 1])) for b, _ in live],
+                out, [req.prefill_len + 1 for _, req in live], [self._held.pop(req.id, []) for _, req in live]))
         return finished
 
     def _preempt(self) -> list[RequestOutput]:
-        """Out of pages mid-step: requeue the newest request; a request that could never be
-        admitted again (or a lone one that cannot grow) stops with finish_reason "length"."""
-        req = self.scheduler.running[-1]
-        if len(self.scheduler.running) == 1 or not self.scheduler.fits_alone(req):
+        """Out of pages mid-step: requeue the request being prefilled in chunks, else the newest
+        running one; a request that could never be admitted again (or a lone one that cannot
+        grow) stops with finish_reason "length"."""
+        req = self.scheduler.prefilling or self.scheduler.running[-1]
+        if req is not self.scheduler.prefilling and (len(self.scheduler.running) == 1
+                                                     or not self.scheduler.fits_alone(req)):
             req.finish_reason = "length"
             return [self._finish(req)]
         self.scheduler.preempt()
         self.runner.release([req.id])
         self._release_drafter(req)
+        self._held.pop(req.id, None)
+        if not req.output_ids and req.prompt_logprobs is not None:  # (recomputed with its prefill)
+            req.prompt_logprobs.clear()
         return []
 
     def _release_drafter(self, req: Request) -> None:
@@ -455,4 +479,5 @@ class SpecEngine:
         self.runner.release([req.id])
         self._release_drafter(req)
         self._requests.pop(req.id, None)
+        self._held.pop(req.id, None)
         return req.output()

@@ -69,28 +69,32 @@ def add_token_logprobs(logits: Tensor, entries: list[tuple[Request, list[int], l
         start = end
 
 
-def add_prompt_logprobs(model: LlamaForCausalLM, reqs: list[tuple[int, Request]], out: ExtendOutput) -> None:
-    """The prompt logprobs of each (row of ``out``, request) prefilled: its prompt token i from
-    the logits of row i - 1, which the forward computed only the last of. The logits are
-    computed ``PROMPT_LOGITS_ROWS`` rows at a time and the logprobs come back in one copy."""
-    if not reqs:
+def add_prompt_logprobs(model: LlamaForCausalLM, chunks: list[tuple[int, Request, int, bool]],
+                        out: ExtendOutput) -> None:
+    """The prompt logprobs of each (row of ``out``, request, first prompt token, whether the
+    prompt ends there) prefilled: prompt token i from the logits of token i - 1, which the forward
+    computed only the last of. The logits are computed ``PROMPT_LOGITS_ROWS`` rows at a time and
+    the logprobs come back in one copy."""
+    if not chunks:
         return
-    rows = torch.from_numpy(np.concatenate([np.arange(out.offsets[b], out.offsets[b + 1] - 1)  # each prompt
-                                            for b, _ in reqs]))                               # but its last token,
-    tokens = torch.from_numpy(np.concatenate([np.array(req.prompt_ids[1:], dtype=np.int64)   # and what followed
-                                              for _, req in reqs]))
-    top_n = max(req.params.prompt_logprobs for _, req in reqs)
+    # each chunk's rows score the tokens after them, but a prompt's last row (it samples the first token)
+    counts = [out.offsets[b + 1] - out.offsets[b] - last for b, _, _, last in chunks]
+    rows = torch.from_numpy(np.concatenate([np.arange(out.offsets[b], out.offsets[b] + n)
+                                            for (b, _, _, _), n in zip(chunks, counts)]))
+    tokens = torch.from_numpy(np.concatenate([np.array(req.prompt_ids[start + 1:start + 1 + n], dtype=np.int64)
+                                              for (_, req, start, _), n in zip(chunks, counts)]))
+    top_n = max(req.params.prompt_logprobs for _, req, _, _ in chunks)
     parts = []
     for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
         at, ids = to_device([rows[start:start + PROMPT_LOGITS_ROWS], tokens[start:start + PROMPT_LOGITS_ROWS]],
                             out.hidden.device)
         parts.append(logprob_rows(model.compute_logits(out.hidden[at]), ids, top_n))  # [r], [r, n], [r, n]
     values = to_host([torch.cat(x) for x in zip(*parts)]) if parts else []
-    start = 0
-    for _, req in reqs:
-        n = len(req.prompt_ids) - 1
-        req.prompt_logprobs.append(None)  # (the first token has no context)
+    done = 0
+    for (_, req, start, _), n in zip(chunks, counts):
+        if start == 0:
+            req.prompt_logprobs.append(None)  # (the first token has no context)
         if n:
-            req.prompt_logprobs += to_token_logprobs(req.prompt_ids[1:], [x[start:start + n] for x in values],
-                                                     req.params.prompt_logprobs)
-        start += n
+            req.prompt_logprobs += to_token_logprobs(req.prompt_ids[start + 1:start + 1 + n],
+                                                     [x[done:done + n] for x in values], req.params.prompt_logprobs)
+        done += n

@@ -22,7 +22,8 @@ class EngineConfig:
 
     ``drafter: null`` is plain autoregressive decoding. ``spec_max_batch_size`` turns
     speculation off for steps whose batch is larger (None: never). ``max_prefill_tokens`` bounds
-    the prompt tokens one step prefills (a longer prompt runs alone; None: no bound).
+    the prompt tokens one step prefills (a longer prompt is prefilled in chunks over several
+    steps; None: no bound).
     ``cuda_graphs`` replays decode and verification steps from CUDA graphs (None: on when the
     device is CUDA).
     """

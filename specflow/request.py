@@ -102,6 +102,7 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
         self.status = Status.WAITING
+        self.prefilled = 0  # tokens of prefill_ids in the KV cache while it is prefilled in chunks
         self.finish_reason: str | None = None
         self.text: str | None = None
         self._checked_len = 0  # decoded characters already searched for stop strings
@@ -116,6 +117,15 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.seq)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill sends: the prompt, or a resumed request's sequence but its root."""
+        return self.seq[:-1] if self.output_ids else self.prompt_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.seq_len - 1 if self.output_ids else len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from specflow.request import Request, Status
 from specflow.runtime.cuda_graph import PAD_REQUEST
 from specflow.runtime.kv_cache import PagedKVCache
+
+
+@dataclass
+class Chunk:
+    """The tokens ``start .. end - 1`` of a request's prefill input (``Request.prefill_ids``)
+    that one step sends; the last chunk ends the prefill."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.req.prefill_len
 
 
 class Scheduler:
@@ -19,9 +34,12 @@ class Scheduler:
     even a plain step runs out of pages, the newest running request is preempted: its KV is freed
     and it goes back to the front of the queue, to be recomputed from its tokens later.
 
-    One step prefills at most ``max_prefill_tokens`` tokens (SGLang's ``max_prefill_tokens``; a
-    longer prompt alone), so that a burst of long prompts neither stalls the running requests'
-    steps for one huge forward nor needs its activations at once.
+    One step prefills at most ``max_prefill_tokens`` tokens (SGLang's ``chunked_prefill_size``),
+    so that long prompts neither stall the running requests' steps for one huge forward nor need
+    their activations at once: a prompt longer than what is left of the bound is prefilled in
+    chunks over the next steps (one such request at a time, ``prefilling``), and joins the
+    running batch with its last chunk. It is admitted, as any request, when the pool can hold its
+    whole sequence and tree; it is the first to be preempted (its chunks done so far dropped).
     """
 
     def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int,
@@ -32,52 +50,78 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilling: Request | None = None  # admitted, prefilled in chunks: not running yet
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.prefilling is not None
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests that fit into the running batch; returns them (to be prefilled)."""
-        admitted = []
-        n = self.num_draft_tokens
+    def admit(self) -> list[Chunk]:
+        """This step's prefill: the next chunk of the request being prefilled in chunks, then
+        waiting requests that fit, in FIFO order. A request whose last chunk is in it joins the
+        running batch."""
+        chunks: list[Chunk] = []
+        n, budget = self.num_draft_tokens, self.max_prefill_tokens or float("inf")
         ids = [r.id for r in self.running]
         lens = [r.seq_len - 1 + n for r in self.running]  # K/V of all but the root, then a tree from it
-        prefill = 0  # tokens this step prefills, each sequence counted whole (a resumed one's root is not sent)
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+        if self.prefilling is not None:  # (its pages were counted at its admission)
+            req = self.prefilling
+            chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget))))
+            budget -= chunks[-1].end - chunks[-1].start
+            ids.append(req.id)
+            lens.append(req.seq_len + n)
+            if chunks[-1].last:
+                self.prefilling = None
+        while self.waiting and budget > 0 and len(ids) < self.max_batch_size:
             head = self.waiting[0]
-            lookahead = n if self.running or admitted else 1
-            prefill += head.seq_len
-            if admitted and self.max_prefill_tokens is not None and prefill > self.max_prefill_tokens:
-                break
+            lookahead = n if ids else 1
             if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
                 break
             ids.append(head.id)
             lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
-            admitted.append(req)
-        self.running.extend(admitted)
-        return admitted
+            chunks.append(Chunk(req, 0, int(min(req.prefill_len, budget))))
+            budget -= chunks[-1].end
+            if not chunks[-1].last:  # (the bound is spent: one request at a time is prefilled in chunks)
+                self.prefilling = req
+        self.running += [c.req for c in chunks if c.last]
+        return chunks
 
     def preempt(self) -> Request:
-        """Take the newest running request back to the front of the queue."""
-        req = self.running.pop()
+        """Take the request being prefilled in chunks, else the newest running one, back to the
+        front of the queue (its K/V is the caller's to free)."""
+        if self.prefilling is not None:
+            req, self.prefilling = self.prefilling, None
+        else:
+            req = self.running.pop()
         req.status = Status.WAITING
+        req.prefilled = 0
         self.waiting.appendleft(req)
         return req
 
-    def requeue(self, reqs: list[Request]) -> None:
-        """Send just-admitted requests back to the front of the queue, in order."""
-        for req in reversed(reqs):
-            self.running.remove(req)
+    def requeue(self, chunks: list[Chunk]) -> None:
+        """Undo an admission whose prefill found no pages: requests admitted whole go back to the
+        front of the queue, in order; the one prefilled in chunks keeps its place and its chunks."""
+        for chunk in reversed(chunks):
+            req = chunk.req
+            if chunk.start > 0:  # a later chunk: the request stays being prefilled
+                self.prefilling = req
+                self.running = [r for r in self.running if r is not req]
+                continue
+            if req is self.prefilling:
+                self.prefilling = None
+            else:
+                self.running.remove(req)
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        if req in self.running:
+        if req is self.prefilling:
+            self.prefilling = None
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)

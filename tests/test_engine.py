@@ -101,7 +101,7 @@ def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, e
         small.add_request(list(range(1, 100)), GREEDY)
 
 
-def test_a_prefill_bound_spreads_admission_over_steps_without_changing_results(tiny_target, engine):
+def test_a_prefill_bound_spreads_prompts_over_steps_in_chunks_without_changing_results(tiny_target, engine):
     expected = [o.token_ids for o in engine.generate(PROMPTS * 2, GREEDY)]
     bounded = SpecEngine(engine.model, {"type": "ngram"}, tokenizer=engine.tokenizer, max_prefill_tokens=10)
     prefilled = []
@@ -109,8 +109,9 @@ def test_a_prefill_bound_spreads_admission_over_steps_without_changing_results(t
     bounded.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and prefilled.append(
         sum(map(len, tokens)))) or extend(ids, tokens, **kw)
     assert [o.token_ids for o in bounded.generate(PROMPTS * 2, GREEDY)] == expected
-    # prompts of 9, 5 and 12 tokens: 9 + 5 pass the bound, 12 alone does but runs alone
-    assert prefilled == [9, 5, 12, 9, 5, 12]
+    # prompts of 9, 5, 12, 9, 5, 12 tokens, each step filled up to the bound by the next chunks:
+    # 9 + 1 of 5; 4 + 6 of 12; 6 + 4 of 9; 5 + 5; 10 of 12; 2
+    assert prefilled == [10, 10, 10, 10, 10, 2]
 
 
 def test_from_config_uses_components_already_built_as_they_are(tiny_target):

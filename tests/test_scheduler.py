@@ -18,20 +18,65 @@ def test_a_newcomer_leaves_the_running_requests_their_next_trees():
         scheduler = Scheduler(PagedKVCache(1, 1, 8, num_pages=pages), max_batch_size=4, num_draft_tokens=N)
         running = request(0, 10)
         scheduler.add(running)
-        assert scheduler.admit() == [running]             # alone: its sequence and one token
+        assert admitted_requests(scheduler) == [running]  # alone: its sequence and one token
         scheduler.cache.reserve([0], [9])                 # its prefill: all but the root
         scheduler.add(request(1, 10))
         # running: 9 cached + its tree of N -> N more pages; the newcomer: 10 + N
-        assert bool(scheduler.admit()) == admitted, pages
+        assert bool(admitted_requests(scheduler)) == admitted, pages
 
 
-def test_one_step_prefills_at_most_max_prefill_tokens():
+def admitted_requests(scheduler: Scheduler) -> list[Request]:
+    chunks = scheduler.admit()
+    assert all(c.start == 0 and c.last for c in chunks)
+    return [c.req for c in chunks]
+
+
+def test_one_step_prefills_at_most_max_prefill_tokens_and_chunks_the_rest():
     scheduler = Scheduler(PagedKVCache(1, 1, 8, num_pages=1000), max_batch_size=8, num_draft_tokens=N,
                           max_prefill_tokens=20)
     short = [request(i, 10) for i in range(3)]   # 10 prompt tokens to prefill each
-    long = request(3, 50)
+    long = request(3, 45)
     for r in [*short, long]:
         scheduler.add(r)
-    assert scheduler.admit() == short[:2]
-    assert scheduler.admit() == short[2:]        # the long prompt would pass the bound beside it
-    assert scheduler.admit() == [long]           # alone it runs, past the bound
+
+    def admit():
+        return [(c.req.id, c.start, c.end, c.last) for c in scheduler.admit()]
+
+    assert admit() == [(0, 0, 10, True), (1, 0, 10, True)]
+    assert admit() == [(2, 0, 10, True), (3, 0, 10, False)]
+    assert scheduler.prefilling is long and long not in scheduler.running
+    long.prefilled = 10                           # (the engine's, after the chunk's forward)
+    scheduler.add(request(4, 3))
+    assert admit() == [(3, 10, 30, False)]       # the bound is spent: nobody else is admitted
+    long.prefilled = 30
+    assert admit() == [(3, 30, 45, True), (4, 0, 3, True)]  # 15 + 3
+    assert scheduler.prefilling is None and scheduler.running[-2:] == [long, scheduler.running[-1]]
+
+
+def test_the_request_prefilled_in_chunks_is_preempted_first_and_starts_over():
+    scheduler = Scheduler(PagedKVCache(1, 1, 8, num_pages=1000), max_batch_size=8, num_draft_tokens=N,
+                          max_prefill_tokens=12)
+    first, long = request(0, 4), request(1, 40)
+    scheduler.add(first)
+    scheduler.add(long)
+    scheduler.admit()
+    long.prefilled = 8
+    assert scheduler.preempt() is long and long.prefilled == 0
+    assert scheduler.running == [first] and list(scheduler.waiting) == [long] and scheduler.prefilling is None
+    assert [(c.start, c.end) for c in scheduler.admit()] == [(0, 12)]
+
+
+def test_requeue_keeps_the_chunks_already_prefilled():
+    scheduler = Scheduler(PagedKVCache(1, 1, 8, num_pages=1000), max_batch_size=8, num_draft_tokens=N,
+                          max_prefill_tokens=12)
+    long, short = request(0, 20), request(1, 3)
+    scheduler.add(long)
+    scheduler.admit()
+    long.prefilled = 12
+    scheduler.add(short)
+    chunks = scheduler.admit()                   # long's last 8 and short, whole
+    assert scheduler.running == [long, short]
+    scheduler.requeue(chunks)                    # their forward found no pages
+    assert scheduler.prefilling is long and long.prefilled == 12 and scheduler.running == []
+    assert list(scheduler.waiting) == [short]
+    assert [(c.req, c.start, c.end) for c in scheduler.admit()] == [(long, 12, 20), (short, 0, 3)]

@@ -227,5 +227,5 @@ class EngineLoop:
 
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self.engine.scheduler.waiting))
-        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.running.set(len(self.engine.scheduler.running) + (self.engine.scheduler.prefilling is not None))
         self.metrics.kv_pages_used.set(self.engine.runner.cache.num_pages_used)
