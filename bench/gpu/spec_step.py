@@ -93,10 +93,11 @@ def run(args) -> dict:
     # batch 1: where the host waits for the GPU in a step (blocking copies and reads)
     result["decode_sync_points"] = gpu.sync_points(plain, prompts[0], device)
     result["spec_sync_points"] = gpu.sync_points(spec, prompts[0], device, max_tokens_per_step=TREE["depth"] + 1)
+    result = gpu.write_result(args, device, dtype, "spec_step", result)  # before the optional profile
     if args.profile:  # batch 1, where host work matters most
         gpu.profile_steps(spec, prompts[0], device, Path(args.out).with_suffix(".profile.txt"),
                           max_tokens_per_step=TREE["depth"] + 1)
-    return gpu.write_result(args, device, dtype, "spec_step", result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -37,7 +37,8 @@ class Metrics:
                                       buckets=STEP_SECONDS_BUCKETS, registry=r)
         self.queue_length = Gauge("specflow_queue_length", "requests waiting for a batch slot or KV pages",
                                   registry=r)
-        self.running = Gauge("specflow_running_requests", "requests admitted: in the running batch or being prefilled in chunks", registry=r)
+        self.running = Gauge("specflow_running_requests",
+                             "requests admitted: in the running batch or being prefilled in chunks", registry=r)
         self.kv_pages_used = Gauge("specflow_kv_pages_used", "KV cache pages held by requests", registry=r)
         self.kv_pages_total = Gauge("specflow_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.kv_pages_total.set(num_kv_pages)
