@@ -20,6 +20,7 @@ from specflow.penalties import History, Penalties
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
+from specflow.runtime.feature_cache import FeatureCache
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
 from specflow.runtime.transfer import to_device, to_host
@@ -35,6 +36,7 @@ class SpecEngine:
     ``{"type": name, **params}`` mappings (see ``specflow list``). ``check_drafts`` checks every
     drafted tree (structure, token ids in the vocabulary, finite non-negative q) and names the
     drafter that broke one: for developing drafters (it waits for the device every step).
+    ``prefix_caching`` shares the K/V of common prefixes between requests (README: Python API).
     """
 
     def __init__(self, target: str | Path | LlamaForCausalLM, drafter: Any = None, tree: Any = None,
@@ -42,7 +44,8 @@ class SpecEngine:
                  device: str = "auto", dtype: str | torch.dtype = "auto", backend: str = "auto",
                  page_size: int = 1, kv_cache_tokens: int = 65536, max_batch_size: int = 32,
                  spec_max_batch_size: int | None = None, max_prefill_tokens: int | None = 16384,
-                 cuda_graphs: bool | None = None, record_steps: bool = False, check_drafts: bool = False):
+                 prefix_caching: bool = False, cuda_graphs: bool | None = None, record_steps: bool = False,
+                 check_drafts: bool = False):
         tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
             drafter, tree if tree is not None else {"type": "chain"},
             verifier if verifier is not None else {"type": "rejection"})
@@ -57,7 +60,7 @@ class SpecEngine:
             self.model = load_model(target, device=self.device, dtype=self.dtype)
             self.tokenizer = tokenizer or load_tokenizer(target)
         self.runner = ModelRunner(self.model, num_pages=max(1, kv_cache_tokens // page_size),
-                                  page_size=page_size, backend=backend)
+                                  page_size=page_size, backend=backend, prefix_caching=prefix_caching)
         graphable = self.runner.attn.supports_graphs
         if cuda_graphs and not graphable:
             raise ConfigError(f"cuda_graphs: the {type(self.runner.attn).__name__} cannot be replayed from "
@@ -90,6 +93,11 @@ class SpecEngine:
         # target features (hidden, taps) of the chunks prefilled so far, for the drafter's begin
         self._held: dict[int, list[tuple[Tensor | None, Tensor | None]]] = {}
         self._plain = OverlapDecoding(self) if self.drafter is None else None
+        needs, hidden = self.drafter.needs if self.drafter else None, self.model.config.hidden_size
+        self._feature_cache = None  # the features of cached prefixes, for drafters that read them
+        if prefix_caching and needs is not None and (needs.last_hidden or needs.layer_taps):
+            self._feature_cache = FeatureCache(self.runner.cache, (hidden if needs.last_hidden else None,
+                                                                   len(needs.layer_taps) * hidden or None), self.dtype)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -350,6 +358,11 @@ class SpecEngine:
         records = tree.to_json() if self.record_steps else None
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
+        if self._feature_cache is not None:  # where the accepted nodes' K/V now lie
+            rows = torch.from_numpy(np.concatenate([out.offsets[b] + np.array(acc) for b, acc in enumerate(accepted_paths)]))
+            self._feature_cache.write([r.id for r in batch], [r.seq_len - 1 for r in batch],
+                                      [len(acc) for acc in accepted_paths],
+                                      self._target_features(out, to_device([rows], out.hidden.device)[0]))
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
@@ -422,11 +435,18 @@ class SpecEngine:
         except OutOfPages:
             self.scheduler.requeue(chunks)
             return []
+        if self._feature_cache is not None:
+            self._feature_cache.write([r.id for r in reqs], [c.start for c in chunks], [c.end - c.start for c in chunks],
+                                      self._target_features(out, slice(None)))
         fresh = [not r.output_ids for r in reqs]
         add_prompt_logprobs(self.model, [(b, c.req, c.start, c.last) for b, c in enumerate(chunks)
                                          if fresh[b] and c.req.prompt_logprobs is not None], out)
         for b, c in enumerate(chunks):
             c.req.prefilled = c.end
+            if c.first and c.start and self._feature_cache is not None:  # its cached prefix's
+                self._held[c.req.id] = [self._feature_cache.read(c.req.id, c.start)]
+            if c.last and self.runner.cache.prefix is not None:
+                self.runner.cache.insert(c.req.id, c.req.prefill_ids)
             if not c.last and needs is not None and (needs.last_hidden or needs.layer_taps):
                 self._held.setdefault(c.req.id, []).append(self._target_features(out, slice(*out.offsets[b:b + 2])))
         rows = [b for b, c in enumerate(chunks) if c.last and fresh[b]]  # (a resumed request's generator draws nothing)
@@ -462,7 +482,7 @@ class SpecEngine:
             req.finish_reason = "length"
             return [self._finish(req)]
         self.scheduler.preempt()
-        self.runner.release([req.id])
+        self._release_kv(req)
         self._release_drafter(req)
         self._held.pop(req.id, None)
         if not req.output_ids and req.prompt_logprobs is not None:  # (recomputed with its prefill)
@@ -474,9 +494,16 @@ class SpecEngine:
             self._drafting.discard(req.id)
             self.drafter.release([req.id])
 
+    def _release_kv(self, req: Request) -> None:
+        """Free a request's KV pages; with prefix caching its full pages of committed tokens stay
+        cached first."""
+        if self.runner.cache.prefix is not None:
+            self.runner.cache.insert(req.id, req.seq)
+        self.runner.release([req.id])
+
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req)
-        self.runner.release([req.id])
+        self._release_kv(req)
         self._release_drafter(req)
         self._requests.pop(req.id, None)
         self._held.pop(req.id, None)

@@ -40,6 +40,7 @@ class EngineConfig:
     max_batch_size: int = 32
     spec_max_batch_size: int | None = None
     max_prefill_tokens: int | None = 16384
+    prefix_caching: bool = False   # share the KV of common prompt prefixes between requests (serving)
     cuda_graphs: bool | None = None
     record_steps: bool = False
     check_drafts: bool = False     # check every drafted tree (structure, token ids, q): for new drafters

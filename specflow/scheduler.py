@@ -18,6 +18,7 @@ class Chunk:
     req: Request
     start: int
     end: int
+    first: bool  # the request was admitted this step (start is 0 or its cached prefix)
 
     @property
     def last(self) -> bool:
@@ -40,6 +41,9 @@ class Scheduler:
     chunks over the next steps (one such request at a time, ``prefilling``), and joins the
     running batch with its last chunk. It is admitted, as any request, when the pool can hold its
     whole sequence and tree; it is the first to be preempted (its chunks done so far dropped).
+
+    With prefix caching (PagedKVCache.prefix), an admitted request starts with the cached pages
+    of its longest cached prefix and prefills the rest only.
     """
 
     def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int,
@@ -68,7 +72,7 @@ class Scheduler:
         lens = [r.seq_len - 1 + n for r in self.running]  # K/V of all but the root, then a tree from it
         if self.prefilling is not None:  # (its pages were counted at its admission)
             req = self.prefilling
-            chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget))))
+            chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget)), False))
             budget -= chunks[-1].end - chunks[-1].start
             ids.append(req.id)
             lens.append(req.seq_len + n)
@@ -76,15 +80,20 @@ class Scheduler:
                 self.prefilling = None
         while self.waiting and budget > 0 and len(ids) < self.max_batch_size:
             head = self.waiting[0]
+            # its cached prefix (not with prompt logprobs: they need every prompt token's logits),
+            # all but the last token, whose logits sample the first
+            if self.cache.prefix is not None and head.prompt_logprobs is None:
+                head.prefilled = self.cache.match(head.id, head.prefill_ids[:head.prefill_len - 1])
             lookahead = n if ids else 1
             if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
+                self._unmatch(head)
                 break
             ids.append(head.id)
             lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
-            chunks.append(Chunk(req, 0, int(min(req.prefill_len, budget))))
-            budget -= chunks[-1].end
+            chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget)), True))
+            budget -= chunks[-1].end - chunks[-1].start
             if not chunks[-1].last:  # (the bound is spent: one request at a time is prefilled in chunks)
                 self.prefilling = req
         self.running += [c.req for c in chunks if c.last]
@@ -103,11 +112,12 @@ class Scheduler:
         return req
 
     def requeue(self, chunks: list[Chunk]) -> None:
-        """Undo an admission whose prefill found no pages: requests admitted whole go back to the
-        front of the queue, in order; the one prefilled in chunks keeps its place and its chunks."""
+        """Undo an admission whose prefill found no pages: requests admitted this step go back to
+        the front of the queue, in order, letting go of their cached prefixes; the one prefilled
+        in chunks keeps its place and its chunks."""
         for chunk in reversed(chunks):
             req = chunk.req
-            if chunk.start > 0:  # a later chunk: the request stays being prefilled
+            if not chunk.first:  # a later chunk: the request stays being prefilled
                 self.prefilling = req
                 self.running = [r for r in self.running if r is not req]
                 continue
@@ -115,8 +125,15 @@ class Scheduler:
                 self.prefilling = None
             else:
                 self.running.remove(req)
+            self._unmatch(req)
             req.status = Status.WAITING
             self.waiting.appendleft(req)
+
+    def _unmatch(self, req: Request) -> None:
+        """Let go of the cached prefix a request not admitted took."""
+        if req.prefilled:
+            self.cache.release(req.id)
+            req.prefilled = 0
 
     def finish(self, req: Request) -> None:
         if req is self.prefilling:

@@ -4,6 +4,11 @@ A request's cached tokens occupy logical indices 0..kv_len-1; logical index i li
 ``block_table[i // page_size] * page_size + i % page_size`` of every layer's pool. Tree nodes
 of a verification step are written at logical indices kv_len .. kv_len + N - 1 (scratch), and
 ``commit`` moves the accepted ones to contiguous indices and frees pages that became empty.
+
+With ``prefix_caching``, full pages of committed tokens are shared between requests
+(specflow.runtime.prefix_cache): ``match`` starts a request's table with the cached pages of its
+longest cached prefix, ``insert`` caches a table's full pages, and pages no table holds stay
+cached until an allocation needs them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specflow.runtime.prefix_cache import PrefixCache
 from specflow.runtime.transfer import to_device
 
 
@@ -78,10 +84,12 @@ class PagedKVCache:
     """One K and one V pool for all layers: ``k[layer]`` is ``[num_pages * page_size, Hkv, D]``."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 page_size: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 prefix_caching: bool = False):
         assert page_size >= 1
         self.page_size = page_size
         self.allocator = BlockAllocator(num_pages)
+        self.prefix = PrefixCache(page_size) if prefix_caching else None
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -95,9 +103,14 @@ class PagedKVCache:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can take: the free ones and the cached ones no table holds."""
+        return self.allocator.num_free + (self.prefix.num_evictable if self.prefix else 0)
+
     def fits(self, request_ids: list[int], num_tokens: list[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find the pages."""
-        return sum(self._extra_pages(request_ids, num_tokens)) <= self.allocator.num_free
+        return sum(self._extra_pages(request_ids, num_tokens)) <= self.num_available
 
     def _extra_pages(self, request_ids: list[int], num_tokens: list[int]) -> list[int]:
         return [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))
@@ -106,8 +119,10 @@ class PagedKVCache:
     def reserve(self, request_ids: list[int], num_tokens: list[int]) -> None:
         """Make each request's block table cover ``num_tokens`` logical indices; all or nothing."""
         extra = self._extra_pages(request_ids, num_tokens)
-        if sum(extra) > self.allocator.num_free:
-            raise OutOfPages(f"need {sum(extra)} more KV pages, {self.allocator.num_free} free")
+        if sum(extra) > self.num_available:
+            raise OutOfPages(f"need {sum(extra)} more KV pages, {self.num_available} free")
+        if sum(extra) > self.allocator.num_free:  # the least recently used cached pages go
+            self.allocator.free(self.prefix.evict(sum(extra) - self.allocator.num_free))
         pages, start = self.allocator.allocate(sum(extra)), 0  # one allocation for the batch
         for r, e in zip(request_ids, extra):
             if r not in self.block_tables:
@@ -165,12 +180,32 @@ class PagedKVCache:
 
     def truncate(self, request_id: int, kv_len: int) -> None:
         """Set the request's cached length and free the pages beyond it."""
-        self.allocator.free(self.block_tables[request_id].truncate(self.pages_needed(kv_len)))
+        dropped = self.block_tables[request_id].truncate(self.pages_needed(kv_len))
+        assert self.prefix is None or not any(map(self.prefix.is_cached, dropped.tolist())), \
+            "a cached page holds committed tokens only"
+        self.allocator.free(dropped)
         self.kv_lens[request_id] = kv_len
 
     def release(self, request_id: int) -> None:
-        """Return all of a request's pages to the pool."""
+        """Return all of a request's pages to the pool (cached ones stay cached)."""
         table = self.block_tables.pop(request_id, None)
         if table is not None:
-            self.allocator.free(table.pages)
+            self.allocator.free(table.pages if self.prefix is None else self.prefix.release(table.pages))
         self.kv_lens.pop(request_id, None)
+
+    def match(self, request_id: int, tokens: list[int]) -> int:
+        """Start a new request's table with the cached pages of the longest prefix of ``tokens``
+        made of full pages; returns the tokens they hold (its cached length)."""
+        assert request_id not in self.block_tables
+        pages = self.prefix.match(tokens)
+        if pages:
+            self.block_tables[request_id], self.kv_lens[request_id] = BlockTable(), len(pages) * self.page_size
+            self.block_tables[request_id].extend(np.array(pages, dtype=np.int64))
+        return len(pages) * self.page_size
+
+    def insert(self, request_id: int, tokens: list[int]) -> None:
+        """Cache the request's full pages holding ``tokens``, its committed tokens from the first
+        (at most its cached length of them)."""
+        n = min(len(tokens), self.kv_lens.get(request_id, 0)) // self.page_size
+        if n:
+            self.prefix.insert(self.block_tables[request_id].pages[:n], tokens[:n * self.page_size])

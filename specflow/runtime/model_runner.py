@@ -69,14 +69,15 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int = 1,
-                 backend: str = "torch"):
+                 backend: str = "torch", prefix_caching: bool = False):
         cfg = model.config
         param = next(model.parameters())
         self.model = model
         self.device = param.device
         self.dtype = param.dtype
         self.cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                  num_pages, page_size, dtype=param.dtype, device=param.device)
+                                  num_pages, page_size, dtype=param.dtype, device=param.device,
+                                  prefix_caching=prefix_caching)
         if backend not in BACKENDS:
             raise ValueError(f"backend: '{backend}' is not one of {', '.join(BACKENDS)}")
         self.attn = BACKENDS[backend](self.cache, sliding_window=cfg.sliding_window,

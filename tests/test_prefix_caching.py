@@ -1,0 +1,113 @@
+"""Prefix caching through the engine: requests that share a prefix prefill only what is new,
+and every output, logprob and draft (hence accept length) is that of an engine without it."""
+
+import pytest
+
+from specflow.engine import SpecEngine
+from specflow.sampling import SamplingParams
+
+ZOO = "zoo/tiny-code"
+SYSTEM = "import os\nimport sys\n" * 6                      # 48 tokens shared by every prompt
+PROMPTS = [SYSTEM + "def main(", SYSTEM + "class Tree:\n", SYSTEM + "for i in range(10):\n", SYSTEM + "def main("]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+DRAFTERS = {"eagle": {"type": "eagle", "path": f"{ZOO}/eagle"}, "eagle3": {"type": "eagle3", "path": f"{ZOO}/eagle3"},
+            "medusa": {"type": "medusa", "path": f"{ZOO}/medusa"}, "draft": {"type": "draft_model", "path": f"{ZOO}/draft"},
+            "ngram": {"type": "ngram"}, "plain": None}
+TREE = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
+
+
+def engine(drafter="plain", **kwargs) -> SpecEngine:
+    node = DRAFTERS[drafter]
+    return SpecEngine(f"{ZOO}/target", node, TREE if node else None, {"type": "greedy"}, device="cpu",
+                      dtype="float32", **kwargs)
+
+
+def prefill_sizes(eng: SpecEngine) -> list[list[int]]:
+    sizes, extend = [], eng.runner.extend
+    eng.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and sizes.append(
+        [len(t) for t in tokens])) or extend(ids, tokens, **kw)
+    return sizes
+
+
+def one_at_a_time(eng: SpecEngine, prompts, params=GREEDY):
+    return [eng.generate([p], params)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_shared_prefixes_are_prefilled_once_with_the_same_outputs_and_drafts(drafter):
+    cold = one_at_a_time(engine(drafter), PROMPTS)
+    cached = engine(drafter, prefix_caching=True)
+    sizes = prefill_sizes(cached)
+    outs = one_at_a_time(cached, PROMPTS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]  # the drafts too
+    lens = [len(o.prompt_token_ids) for o in outs]
+    # the first prompt whole; then all but the shared system prompt (the repeat: its last token)
+    assert [s for (s,) in sizes] == [lens[0]] + [n - len(cached.encode(SYSTEM)) for n in lens[1:3]] + [1]
+
+
+def test_sampled_outputs_and_logprobs_are_those_without_it():
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, logprobs=2)
+    cold = one_at_a_time(engine("eagle"), PROMPTS, params)
+    outs = one_at_a_time(engine("eagle", prefix_caching=True), PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [[round(x.logprob, 3) for x in o.logprobs] for o in outs] == \
+           [[round(x.logprob, 3) for x in o.logprobs] for o in cold]
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt():
+    eng = engine(prefix_caching=True)
+    sizes = prefill_sizes(eng)
+    eng.generate([PROMPTS[0]], GREEDY)
+    out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))[0]
+    assert sizes[1] == [len(out.prompt_token_ids)] and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+
+
+def test_a_full_pool_evicts_cached_pages_least_recently_used_first():
+    prompts = [f"def f{i}(x):\n    return x * {i}\n" * 3 for i in range(8)]
+    cold = engine("eagle").generate(prompts, GREEDY)
+    small = engine("eagle", prefix_caching=True, kv_cache_tokens=160, max_batch_size=2)
+    outs = small.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert small.runner.cache.prefix.num_cached <= 160
+    assert small.runner.cache.prefix.num_evictable == small.runner.cache.num_pages_used  # none held
+
+
+def test_with_chunked_prefill_and_a_concurrent_batch():
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 8, 30, 12)]
+    cold = engine("eagle3").generate(PROMPTS * 2, params * 2)
+    cached = engine("eagle3", prefix_caching=True, max_prefill_tokens=20)
+    outs = cached.generate(PROMPTS * 2, params * 2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]
+
+
+def test_preempted_requests_give_the_same_outputs():
+    """A preempted request's pages are cached as it leaves (the pool soon evicts them, as it
+    needs the room); it resumes from what is still cached."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    cold = engine("eagle", kv_cache_tokens=4096).generate(PROMPTS[:3], params)
+    tight = engine("eagle", prefix_caching=True, kv_cache_tokens=200)
+    sizes = prefill_sizes(tight)
+    outs = tight.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert len([s for step in sizes for s in step]) > 3  # someone was preempted and prefilled again
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3", "plain"])
+def test_a_conversation_reuses_the_last_turn_with_its_answer(drafter):
+    """The next turn's prompt holds the last answer: its K/V (and the target features the drafter
+    reads), computed while it was generated, are reused."""
+    turns = []
+    for eng in (engine(drafter), engine(drafter, prefix_caching=True)):
+        sizes = prefill_sizes(eng)
+        prompt = eng.encode(PROMPTS[0])
+        first = eng.generate([prompt], GREEDY)[0]
+        follow_up = eng.encode("\n\n# now the tests\n")
+        second = eng.generate([prompt + first.token_ids + follow_up], GREEDY)[0]
+        turns.append((first.token_ids, second.token_ids, first.accept_lengths, second.accept_lengths, sizes))
+    (*cold, _), (*cached, sizes) = turns
+    assert cached == cold
+    # the follow-up, and the answer's last token where its K/V was not computed (the last step's
+    # bonus token; a draft accepted past max_tokens has it)
+    assert sizes[1][0] in (len(follow_up), 1 + len(follow_up))
