@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in getattr(args, "plugin", []):
             load_module(spec)
         args.fn(args)
-    except (ConfigError, RegistryError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (ConfigError, RegistryError, ValueError, FileNotFoundError, ModuleNotFoundError,
+            NotImplementedError) as e:  # (a checkpoint the native models cannot run: rope type, activation)
         print(f"specflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

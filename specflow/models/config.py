@@ -213,12 +213,15 @@ def _reject_sliding_layers(hf: dict) -> None:
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, normalised rope_scaling) from either config generation."""
-    params = dict(hf.get("rope_parameters") or {})          # transformers 5
-    if any(isinstance(v, dict) for v in params.values()):
+    """(rope_theta, normalised rope_scaling) from either config generation.
+
+    As transformers 5 reads them: a non-empty ``rope_scaling`` (4.x, or added by hand to a 5.x
+    config, as model cards say for long context) replaces ``rope_parameters`` whole, theta included
+    (then read from ``rope_theta``)."""
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in scaling.values()):
         raise NotImplementedError("per-layer-type rope_parameters are not implemented for "
                                   "Llama-family models")
-    scaling = {**(hf.get("rope_scaling") or {}), **params}  # transformers 4 keeps theta outside
     rope_theta = float(scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)

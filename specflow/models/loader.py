@@ -96,7 +96,9 @@ def resolve_dtype(dtype: torch.dtype | str, hf: dict) -> torch.dtype:
     else:
         name = dtype
     if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)} or 'auto'")
+        given = f"dtype 'auto' reads config.json's dtype {name!r}, which" if dtype == "auto" else f"dtype {dtype!r}"
+        raise ValueError(f"{given} is not supported; use one of {', '.join(DTYPES)}"
+                         + ("" if dtype == "auto" else " or 'auto'"))
     return DTYPES[name]
 
 
@@ -115,7 +117,10 @@ def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str,
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = path / index_name
         if index.is_file():
-            files = sorted(set(read_json(index)["weight_map"].values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file)")
+            files = sorted(set(weight_map.values()))
             break
         if (path / single).is_file():
             files = [single]
@@ -149,8 +154,9 @@ def read_weights(file: Path, device: str | torch.device) -> Iterator[tuple[str, 
             yield from torch.load(file, map_location="cpu", weights_only=True, mmap=_is_zip(file)).items()
     except torch.OutOfMemoryError:
         raise
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError,
-            KeyError, IndexError, ValueError) as e:  # (the legacy unpickler's errors on a non-weight file)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError,
+            KeyError, IndexError, ValueError) as e:  # (the legacy unpickler's errors on a non-weight file;
+        # OSError: torch's zip reader on a .bin cut short within its last 64 KiB, EINVAL)
         raise CheckpointError(f"{file} cannot be read (truncated, or not a weight file?): {e}") from None
 
 

@@ -81,6 +81,8 @@ class TrainerConfig:
     def __post_init__(self):
         if self.checkpoint_every_n_steps is not None:
             check_at_least(self, 1, "checkpoint_every_n_steps")
+        if self.max_steps != -1:   # (0 would export the untrained weights as a trained head)
+            check_at_least(self, 1, "max_steps")
 
 
 @dataclass

@@ -64,6 +64,16 @@ def new_eagle3_head(target: LlamaForCausalLM, hot: Tensor, taps: tuple[int, ...]
     return head
 
 
+def recipe_taps(taps: list[int] | None, num_layers: int) -> tuple[int, ...]:
+    """``recipe.taps`` (None: the default) for a target of ``num_layers``, or a ConfigError."""
+    chosen = tuple(taps) if taps is not None else default_taps(num_layers)
+    if any(not 0 <= t < num_layers for t in chosen):
+        given = f"{list(taps)}" if taps is not None else f"null (the default [2, L // 2, L - 3] = {list(chosen)})"
+        raise ConfigError(f"train.recipe.taps: {given}: a {num_layers}-layer target has layer inputs "
+                          f"0..{num_layers - 1}; set recipe.taps to layer indices in that range")
+    return chosen
+
+
 def default_taps(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
@@ -126,22 +136,23 @@ class Eagle3Recipe:
         if cfg.unroll >= run.data.seq_len:
             raise ConfigError(f"train.recipe.unroll: {cfg.unroll} steps need sequences longer than that; "
                               f"set recipe.unroll below data.seq_len ({run.data.seq_len})")
-        if run.target is not None and cfg.draft_vocab_size is not None:
-            hf = read_json(Path(run.target) / "config.json")
-            vocab = (hf.get("text_config") or hf).get("vocab_size")
-            if vocab is not None and cfg.draft_vocab_size > vocab:
-                raise ConfigError(f"train.recipe.draft_vocab_size: {cfg.draft_vocab_size} is more than the "
-                                  f"target's vocabulary ({vocab} tokens); use 1..{vocab} (or null: all of it)")
+        if run.target is None:
+            return
+        hf = read_json(Path(run.target) / "config.json")
+        hf = hf.get("text_config") or hf
+        vocab, layers = hf.get("vocab_size"), hf.get("num_hidden_layers")
+        if vocab is not None and cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+            raise ConfigError(f"train.recipe.draft_vocab_size: {cfg.draft_vocab_size} is more than the "
+                              f"target's vocabulary ({vocab} tokens); use 1..{vocab} (or null: all of it)")
+        if isinstance(layers, int):
+            recipe_taps(cfg.taps, layers)
 
     def setup(self, run: TrainConfig) -> TrainJob:
         data = head_data(run, "eagle3")
         vocab = data.target.config.vocab_size
         self.hot = draft_vocab(data.train.tokens, vocab, self.cfg.draft_vocab_size or vocab)
         num_layers = data.target.config.num_hidden_layers
-        self.taps = tuple(self.cfg.taps or default_taps(num_layers))
-        if any(not 0 <= t < num_layers for t in self.taps):
-            raise ConfigError(f"recipe.taps {list(self.taps)}: a {num_layers}-layer target has layer "
-                              f"inputs 0..{num_layers - 1}; set recipe.taps to three of them")
+        self.taps = recipe_taps(self.cfg.taps, num_layers)
         head = new_eagle3_head(data.target, self.hot, self.taps)
         if self.cfg.init_lm_head:
             head.lm_head.weight.data.copy_(data.target.lm_head.weight.data[self.hot])

@@ -132,6 +132,16 @@ class DataOrder(L.Callback):
     def __init__(self):
         self.sampler: EpochShuffle | None = None
         self.batch_size = 1
+        self.saved_max_steps: int | None = None   # the max_steps of the run a resumed run continues
+        self._max_steps: int | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        saved = self.saved_max_steps
+        if saved is not None and saved != trainer.max_steps:
+            warnings.warn(f"trainer.max_steps is {trainer.max_steps} but the checkpoint's run had {saved}: the "
+                          f"warmup-cosine schedule is stretched to the new max_steps, so the learning rate jumps "
+                          f"at step {trainer.global_step} and the run will not end with the weights of an "
+                          f"uninterrupted {trainer.max_steps}-step run", stacklevel=1)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         s = self.sampler   # (before ModelCheckpoint, which Lightning runs last, saves this state)
@@ -140,13 +150,18 @@ class DataOrder(L.Callback):
             s.epoch, s.start = s.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.sampler.epoch, "start": self.sampler.start, "rng": torch.get_rng_state()}
+        state = {"epoch": self.sampler.epoch, "start": self.sampler.start, "rng": torch.get_rng_state(),
+                 "max_steps": self._max_steps}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
 
+    def setup(self, trainer, module, stage: str) -> None:
+        self._max_steps = trainer.max_steps
+
     def load_state_dict(self, state: dict) -> None:
         self.sampler.epoch, self.sampler.start = state["epoch"], state["start"]
+        self.saved_max_steps = state.get("max_steps")
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

@@ -31,6 +31,16 @@ def test_transformers_4_and_5_rope_forms_agree():
     assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
 
 
+def test_rope_scaling_added_to_a_transformers_5_config_wins_as_in_transformers():
+    # save_pretrained (5.x) writes rope_parameters; model cards tell users to add rope_scaling
+    v5 = {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    cfg = ModelConfig.from_hf({**v5, "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(NotImplementedError, match="'yarn'"):
+        ModelConfig.from_hf({**v5, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert ModelConfig.from_hf({**v5, "rope_scaling": None}).rope_scaling is None
+
+
 def test_llama3_original_context_defaults_to_max_positions():
     scaling = {k: v for k, v in LLAMA3_SCALING.items() if k != "original_max_position_embeddings"}
     cfg = ModelConfig.from_hf({**LLAMA, "rope_scaling": {"rope_type": "llama3", **scaling}})

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from specflow.models import CheckpointError, LlamaForCausalLM, ModelConfig, load_model, save_model
 from specflow.models.llama import checkpoint_state
+from specflow.models.loader import resolve_dtype
 from specflow.runtime.model_runner import ModelRunner
 
 from tests.models.tiny_checkpoints import PROMPTS
@@ -218,3 +219,22 @@ def test_legacy_torch_save_format_loads(tiny_checkpoint):
     (path / "model.safetensors").unlink()
     torch.save(dict(hf.state_dict()), path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     assert_same_weights(load_model(path), hf)
+
+
+def test_bin_cut_short_in_its_last_64k_is_named(tiny_checkpoint):
+    hf, path = tiny_checkpoint("llama")
+    (path / "model.safetensors").unlink()
+    torch.save(dict(hf.state_dict()), path / "pytorch_model.bin")
+    data = (path / "pytorch_model.bin").read_bytes()
+    (path / "pytorch_model.bin").write_bytes(data[:5000])  # torch's zip reader: OSError EINVAL
+    with pytest.raises(CheckpointError, match="pytorch_model.bin cannot be read"):
+        load_model(path)
+
+
+def test_index_without_weight_map_and_unsupported_auto_dtype_are_named(tiny_checkpoint):
+    _, path = tiny_checkpoint("llama", max_shard_size="20KB")
+    (path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no weight_map"):
+        load_model(path)
+    with pytest.raises(ValueError, match="config.json's dtype 'float64'"):
+        resolve_dtype("auto", {"torch_dtype": "float64"})
