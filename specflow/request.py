@@ -35,6 +35,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     # one per prompt token when SamplingParams.prompt_logprobs is set (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache
 
     @property
     def mean_accept_length(self) -> float:
@@ -103,6 +104,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
         self.status = Status.WAITING
         self.prefilled = 0  # tokens of prefill_ids in the KV cache while it is prefilled in chunks
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at its admission
         self.finish_reason: str | None = None
         self.text: str | None = None
         self._checked_len = 0  # decoded characters already searched for stop strings
@@ -180,4 +182,5 @@ class Request:
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
                              self.finish_reason, list(self.accept_lengths), list(self.steps),
                              None if self.logprobs is None else list(self.logprobs),
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             self.num_cached_tokens)

@@ -92,6 +92,8 @@ class Scheduler:
             lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
+            if not req.output_ids:
+                req.num_cached_tokens = req.prefilled
             chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget)), True))
             budget -= chunks[-1].end - chunks[-1].start
             if not chunks[-1].last:  # (the bound is spent: one request at a time is prefilled in chunks)

@@ -21,8 +21,8 @@ from specflow.serve.engine_loop import Delta, EngineLoop, Submission
 from specflow.serve.protocol import (
     AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, SamplingFields,
-    ToolCallChunk, TopLogprob, Usage, error_body)
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
+    SamplingFields, ToolCallChunk, TopLogprob, Usage, error_body)
 from specflow.serve.token_bytes import TextOffsets, TokenBytes
 from specflow.serve.tool_parser import ToolCallStream, parse_tool_calls, tool_finish_reason
 
@@ -39,16 +39,22 @@ class ApiError(Exception):
         self.body = error_body(message, type, param, code)
 
 
-def usage(outputs: list[RequestOutput], prompt_tokens: int) -> Usage:
+def usage(outputs: list[RequestOutput], prompt_tokens: int, cached_tokens: int) -> Usage:
     """Token counts plus the accept-length statistics of every choice's speculative steps."""
     completion = sum(len(o.token_ids) for o in outputs)
     steps = [a for o in outputs for a in o.accept_lengths]
     histogram = collections.Counter(steps)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                  total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
                  accept_length=AcceptLengthStats(
                      steps=len(steps), mean=sum(steps) / len(steps) if steps else 0.0,
                      histogram={str(k): histogram[k] for k in sorted(histogram)}))
+
+
+def cached(outputs: list[RequestOutput], n: int) -> int:
+    """Prompt tokens the prefix cache held, once per prompt (of its ``n`` choices, the most)."""
+    return sum(max(o.num_cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
 
 
 def sse(chunk: BaseModel | dict) -> str:
@@ -127,7 +133,7 @@ class OpenAIServing:
 
         def usage_chunk(outs: list[RequestOutput]) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                      usage=usage(outs if generates else [], prompt_tokens))
+                                      usage=usage(outs if generates else [], prompt_tokens, cached(outs, body.n)))
 
         if body.stream:
             return self._stream(sub, [], chunk, usage_chunk if _include_usage(body) else None)
@@ -135,7 +141,8 @@ class OpenAIServing:
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
         return _json_response(CompletionResponse(
-            id=rid, created=created, model=self.model_name, usage=usage(outs if generates else [], prompt_tokens),
+            id=rid, created=created, model=self.model_name,
+            usage=usage(outs if generates else [], prompt_tokens, cached(outs, body.n)),
             choices=[choice(i, o.text, o.token_ids, o.logprobs, o.finish_reason, o.prompt_logprobs)
                      for i, o in enumerate(outs)]))
 
@@ -165,7 +172,7 @@ class OpenAIServing:
 
         def usage_chunk(outs: list[RequestOutput]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
-                                       usage=usage(outs, len(ids)))
+                                       usage=usage(outs, len(ids), cached(outs, body.n)))
 
         if body.stream:
             first = [ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
@@ -185,7 +192,7 @@ class OpenAIServing:
                               logprobs=None if o.logprobs is None else self._chat_logprobs(o.logprobs))
 
         return _json_response(ChatCompletionResponse(
-            id=rid, created=created, model=self.model_name, usage=usage(outs, len(ids)),
+            id=rid, created=created, model=self.model_name, usage=usage(outs, len(ids), cached(outs, body.n)),
             choices=[choice(i, o) for i, o in enumerate(outs)]))
 
     # ----------------------------------------------------------------------------------------

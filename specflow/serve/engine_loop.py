@@ -218,6 +218,7 @@ class EngineLoop:
         st.sent_tokens, st.seen_steps = len(out.token_ids), len(out.accept_lengths)
         if done:
             self.metrics.finished.labels(out.finish_reason).inc()
+            self.metrics.cached_prompt_tokens.inc(out.num_cached_tokens)
         self._send(st, Delta(st.index, piece, new_ids, logprobs, out.finish_reason if done else None,
                              out if done else None, prompt_logprobs))
 
@@ -228,4 +229,6 @@ class EngineLoop:
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self.engine.scheduler.waiting))
         self.metrics.running.set(len(self.engine.scheduler.running) + (self.engine.scheduler.prefilling is not None))
-        self.metrics.kv_pages_used.set(self.engine.runner.cache.num_pages_used)
+        cache = self.engine.runner.cache
+        self.metrics.kv_pages_used.set(cache.allocator.num_pages - cache.num_available)
+        self.metrics.kv_pages_cached.set(cache.prefix.num_cached if cache.prefix else 0)

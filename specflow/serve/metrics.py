@@ -28,6 +28,8 @@ class Metrics:
                                 "engine requests (one per choice) by finish reason: stop, length, abort",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("specflow_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter("specflow_cached_prompt_tokens",
+                                            "prompt tokens of finished requests found in the prefix cache", registry=r)
         self.generation_tokens = Counter("specflow_generation_tokens", "generated tokens sent to clients",
                                          registry=r)
         self.accept_length = Histogram(
@@ -40,6 +42,8 @@ class Metrics:
         self.running = Gauge("specflow_running_requests",
                              "requests admitted: in the running batch or being prefilled in chunks", registry=r)
         self.kv_pages_used = Gauge("specflow_kv_pages_used", "KV cache pages held by requests", registry=r)
+        self.kv_pages_cached = Gauge("specflow_kv_pages_cached",
+                                     "KV cache pages in the prefix cache (held by requests or not)", registry=r)
         self.kv_pages_total = Gauge("specflow_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.kv_pages_total.set(num_kv_pages)
 

@@ -322,10 +322,15 @@ class AcceptLengthStats(BaseModel):
     histogram: dict[str, int]   # accept length -> number of steps
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int   # prompt tokens whose K/V the prefix cache held (OpenAI's prompt caching)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     accept_length: AcceptLengthStats
 
 

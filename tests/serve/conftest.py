@@ -49,13 +49,14 @@ def chat_target(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="package")
 def server(chat_target, tmp_path_factory):
     """The target drafts for itself (a draft model that always agrees at temperature 0), so
-    speculative steps commit several tokens; API key on; a small KV cache; small request limits."""
+    speculative steps commit several tokens; API key on; a small KV cache; small request limits;
+    prefix caching on, as configs/serve.yaml has it."""
     config = write_serve_config(
         tmp_path_factory.mktemp("serve") / "speculative.yaml", MODEL,
         limits={"max_sequences": MAX_SEQUENCES, "max_request_bytes": MAX_REQUEST_BYTES}, target=str(chat_target),
         drafter={"type": "draft_model", "path": str(chat_target)},
         tree={"type": "eagle2", "topk": 2, "depth": 3, "num_draft_tokens": NUM_DRAFT_TOKENS},
-        verifier={"type": "rejection"}, kv_cache_tokens=KV_CACHE_TOKENS, spec_max_batch_size=8)
+        verifier={"type": "rejection"}, kv_cache_tokens=KV_CACHE_TOKENS, spec_max_batch_size=8, prefix_caching=True)
     proc = ServerProcess(config, "--api-key", API_KEY).wait_ready()
     yield proc
     proc.stop()

@@ -57,6 +57,24 @@ def test_completion_equals_plain_decoding(client, reference):
         assert stats["mean"] > 1 and sum(int(k) * v for k, v in stats["histogram"].items()) == 15
 
 
+def test_a_shared_prefix_is_reported_cached_and_changes_nothing(client, server, reference):
+    """The server caches prefixes (OpenAI's usage.prompt_tokens_details.cached_tokens): a
+    conversation's second turn reuses the first with its answer, and its text is still plain
+    decoding's; pages held only by the cache are not "used"."""
+    system = {"role": "system", "content": "You complete Python code. " * 4}
+    first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "def f("}],
+                                           **GREEDY)
+    cached_before = server.metric("specflow_cached_prompt_tokens_total")
+    messages = [system, {"role": "user", "content": "def f("},
+                {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens   # the first turn and some of its answer
+    assert server.metric("specflow_cached_prompt_tokens_total") == cached_before + cached
+    assert second.choices[0].message.content == plain_chat(reference, messages).text
+    assert server.metric("specflow_kv_pages_used") == 0 < server.metric("specflow_kv_pages_cached")
+
+
 def test_penalties_and_logit_bias_equal_plain_decoding_with_them(client, reference):
     """OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens: under
     speculation, streamed or not, the server's text is plain decoding's with the same adjustments."""
