@@ -107,6 +107,21 @@ def test_medusa_static_tree_is_lossless(setting):
     assert_lossless(engine.generate(PROMPTS[:2], params), plain, engine.model, backend)
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3", "draft"])
+def test_prefix_caching_is_lossless_on_the_gpu(plain, drafter):
+    """Requests that share a prefix read its cached pages (and the drafter its cached target
+    features) through the backend's paged attention and the CUDA graphs."""
+    backend, target, _ = plain
+    system = "import os\nimport sys\n" * 6
+    prompts = [system + p for p in PROMPTS]
+    baseline = SpecEngine(target.model, tokenizer=target.tokenizer, backend=backend).generate(prompts, GREEDY)
+    engine = SpecEngine(target.model, DRAFTERS[drafter], TREES["eagle2"], {"type": "greedy"},
+                        tokenizer=target.tokenizer, backend=backend, prefix_caching=True)
+    outs = [engine.generate([p], params)[0] for p, params in zip(prompts, GREEDY)]  # later ones hit the cache
+    assert engine.runner.cache.prefix.num_cached > 0
+    assert_lossless(outs, baseline, target.model, backend)
+
+
 PENALIZED = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logit_bias={13: 2.0},
                  min_tokens=8)
 
