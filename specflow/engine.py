@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,12 @@ from specflow.runtime.transfer import to_device, to_host
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
 from specflow.scheduler import Chunk, Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
+
+# the salts of requests whose drafter learns across requests (SamplingBatch.coin_walk): one sequence
+# per drafter object, not per engine, as one drafter (a global n-gram trie) may serve several engines,
+# whose request ids all start at 0, and two requests of one seed and one salt would share coins
+_SALTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class SpecEngine:
     """Speculative decoding over a target model with continuous batching.
@@ -134,7 +141,8 @@ class SpecEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
         rid = next(self._ids)
-        req = Request(rid, ids, params, self.eos_token_ids, self.tokenizer, salt=rid + 1 if self._salted else 0)
+        salt = next(_SALTS.setdefault(self.drafter, itertools.count(1))) if self._salted else 0
+        req = Request(rid, ids, params, self.eos_token_ids, self.tokenizer, salt=salt)
         if not self.scheduler.fits_alone(req):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "
                              f"raise kv_cache_tokens")

@@ -245,3 +245,20 @@ def test_the_check_detects_a_lossy_verifier(small_vocab):
                         kv_cache_tokens=8192, max_batch_size=128)
     with pytest.raises(AssertionError, match="chi-square"):
         assert_same_distribution(sampled_counts(engine, 3000), exact_joint(model))
+
+
+def test_engines_sharing_a_learning_drafter_salt_their_requests_apart(small_vocab):
+    """Request ids start at 0 in every engine: salts keyed by them gave request i of a second
+    engine over the same global trie request i of the first one's coins (the test above, with the
+    trie warmed by another engine: chi-square p ~ 2e-14)."""
+    model = load_model(small_vocab[0])
+    shared = build_component(DRAFTERS, SHARED_NGRAM, vocab_size=V)
+    salts = set()
+    for _ in range(2):
+        engine = SpecEngine(model, shared, SAMPLED_STATIC, {"type": "rejection"})
+        salts.add(engine._requests[engine.add_request(PROMPT, SamplingParams(seed=5, **PARAMS))].salt)
+    assert len(salts) == 2 and 0 not in salts
+    fresh = [SpecEngine(model, build_component(DRAFTERS, SHARED_NGRAM, vocab_size=V), SAMPLED_STATIC,
+                        {"type": "rejection"}) for _ in range(2)]
+    # a drafter of its own: the same salts in every engine, so a seeded run repeats in one process
+    assert len({e._requests[e.add_request(PROMPT, SamplingParams(seed=5, **PARAMS))].salt for e in fresh}) == 1
