@@ -9,22 +9,20 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
+from specflow.features import FeatureFeed
 from specflow.logprobs import add_prompt_logprobs, add_token_logprobs
 from specflow.models import LlamaForCausalLM, load_model, load_tokenizer
 from specflow.overlap import OverlapDecoding
 from specflow.penalties import History, Penalties
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
-from specflow.protocols import TargetFeatures
 from specflow.request import Request, RequestOutput
-from specflow.runtime.feature_cache import FeatureCache
 from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
-from specflow.runtime.transfer import to_device, to_host
+from specflow.runtime.transfer import to_host
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
 from specflow.scheduler import Chunk, Scheduler
 from specflow.tree import DraftTree, Roots, StepRecord, Verdict
@@ -97,14 +95,9 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
-        # target features (hidden, taps) of the chunks prefilled so far, for the drafter's begin
-        self._held: dict[int, list[tuple[Tensor | None, Tensor | None]]] = {}
         self._plain = OverlapDecoding(self) if self.drafter is None else None
-        needs, hidden = self.drafter.needs if self.drafter else None, self.model.config.hidden_size
-        self._feature_cache = None  # the features of cached prefixes, for drafters that read them
-        if prefix_caching and needs is not None and (needs.last_hidden or needs.layer_taps):
-            self._feature_cache = FeatureCache(self.runner.cache, (hidden if needs.last_hidden else None,
-                                                                   len(needs.layer_taps) * hidden or None), self.dtype)
+        self._feed = None if self.drafter is None else \
+            FeatureFeed(self.drafter.needs, self.runner.cache, self.model.config.hidden_size, self.dtype)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -365,12 +358,9 @@ class SpecEngine:
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
         records = tree.to_json() if self.record_steps else None
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
-        self.runner.commit([r.id for r in batch], [r.seq_len - 1 for r in batch], accepted_paths)
-        if self._feature_cache is not None:  # where the accepted nodes' K/V now lie
-            rows = torch.from_numpy(np.concatenate([out.offsets[b] + np.array(acc) for b, acc in enumerate(accepted_paths)]))
-            self._feature_cache.write([r.id for r in batch], [r.seq_len - 1 for r in batch],
-                                      [len(acc) for acc in accepted_paths],
-                                      self._target_features(out, to_device([rows], out.hidden.device)[0]))
+        bases = [r.seq_len - 1 for r in batch]
+        self.runner.commit([r.id for r in batch], bases, accepted_paths)
+        self._feed.committed(batch, bases, accepted_paths, out)
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
@@ -388,42 +378,11 @@ class SpecEngine:
             rows = [b for b, _, _ in live]
             sub = verdict if len(live) == len(batch) else \
                 Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
-            self.drafter.commit(sub, self._features(
+            self.drafter.commit(sub, self._feed.layout(
                 [req for _, req, _ in live],
                 [[out.offsets[b] + i for i in acc] for b, _, acc in live],
                 out, [len(acc) + 1 for _, _, acc in live]))
         return finished
-
-    def _features(self, reqs: list[Request], rows: list[list[int]], out: ExtendOutput, num_new: list[int],
-                  held: list[list[tuple[Tensor | None, Tensor | None]]] | None = None) -> TargetFeatures:
-        """Target features of the committed tokens ``rows`` (flat rows of ``out``) of each request,
-        after those ``held`` from earlier chunks of its prefill; the tokens are the last
-        ``num_new`` of the sequence minus the newest (the next root)."""
-        lens = [n - 1 for n in num_new]
-        tokens = torch.from_numpy(np.concatenate([np.array(req.seq[-n:-1], dtype=np.int64)  # (no per-token loop:
-                                                  for req, n in zip(reqs, num_new)]))         # prompts are long)
-        positions = torch.from_numpy(np.concatenate([np.arange(req.seq_len - n, req.seq_len - 1)
-                                                     for req, n in zip(reqs, num_new)]))
-        flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
-                          out.hidden.device)
-        hidden, taps = self._target_features(out, flat)
-        split = [len(rw) for rw in rows]
-        hidden, taps = (None if x is None else list(x.split(split)) for x in (hidden, taps))
-        for i, pieces in enumerate(held or []):
-            for k, x in enumerate((hidden, taps)):
-                if pieces and x is not None:
-                    x[i] = torch.cat([*(p[k] for p in pieces), x[i]])
-        return TargetFeatures(
-            request_ids=[r.id for r in reqs], tokens=list(tokens.split(lens)), positions=list(positions.split(lens)),
-            next_tokens=[r.seq[-1] for r in reqs], hidden=hidden, taps=taps, contexts=[r.seq for r in reqs])
-
-    def _target_features(self, out: ExtendOutput, rows: Tensor | slice) -> tuple[Tensor | None, Tensor | None]:
-        """The drafter's target features of ``rows`` of ``out``: hidden [n, H] and taps
-        [n, len(layer_taps) * H], each None where the drafter does not read it."""
-        needs = self.drafter.needs
-        hidden = out.hidden[rows] if needs.last_hidden else None
-        taps = torch.cat([t[rows] for t in out.taps], -1) if needs.layer_taps else None
-        return hidden, taps
 
     def _prefill(self, chunks: list[Chunk]) -> list[RequestOutput]:
         """Compute the K/V of this step's chunks of each admitted request's prefill input (a new
@@ -443,20 +402,15 @@ class SpecEngine:
         except OutOfPages:
             self.scheduler.requeue(chunks)
             return []
-        if self._feature_cache is not None:
-            self._feature_cache.write([r.id for r in reqs], [c.start for c in chunks], [c.end - c.start for c in chunks],
-                                      self._target_features(out, slice(None)))
+        if self._feed is not None:
+            self._feed.prefilled(chunks, out)
         fresh = [not r.output_ids for r in reqs]
         add_prompt_logprobs(self.model, [(b, c.req, c.start, c.last) for b, c in enumerate(chunks)
                                          if fresh[b] and c.req.prompt_logprobs is not None], out)
-        for b, c in enumerate(chunks):
+        for c in chunks:
             c.req.prefilled = c.end
-            if c.first and c.start and self._feature_cache is not None:  # its cached prefix's
-                self._held[c.req.id] = [self._feature_cache.read(c.req.id, c.start)]
             if c.last and self.runner.cache.prefix is not None:
                 self.runner.cache.insert(c.req.id, c.req.prefill_ids)
-            if not c.last and needs is not None and (needs.last_hidden or needs.layer_taps):
-                self._held.setdefault(c.req.id, []).append(self._target_features(out, slice(*out.offsets[b:b + 2])))
         rows = [b for b, c in enumerate(chunks) if c.last and fresh[b]]  # (a resumed request's generator draws nothing)
         logits = out.logits if len(rows) == len(reqs) else out.logits[rows]
         drawing = [reqs[b] for b in rows]
@@ -474,10 +428,9 @@ class SpecEngine:
         finished = [self._finish(req) for req in reqs if req.finished]
         if self.drafter is not None and live:
             self._drafting.update(req.id for _, req in live)
-            self.drafter.begin(self._features(
-                [req for _, req in live],
-                [list(range(out.offsets[b], out.offsets[b + 1])) for b, _ in live],
-                out, [req.prefill_len + 1 for _, req in live], [self._held.pop(req.id, []) for _, req in live]))
+            self.drafter.begin(self._feed.layout(
+                [req for _, req in live], [list(range(out.offsets[b], out.offsets[b + 1])) for b, _ in live],
+                out, [req.prefill_len + 1 for _, req in live], begin=True))
         return finished
 
     def _preempt(self) -> list[RequestOutput]:
@@ -492,12 +445,13 @@ class SpecEngine:
         self.scheduler.preempt()
         self._release_kv(req)
         self._release_drafter(req)
-        self._held.pop(req.id, None)
         if not req.output_ids and req.prompt_logprobs is not None:  # (recomputed with its prefill)
             req.prompt_logprobs.clear()
         return []
 
     def _release_drafter(self, req: Request) -> None:
+        if self._feed is not None:
+            self._feed.release(req.id)
         if req.id in self._drafting:
             self._drafting.discard(req.id)
             self.drafter.release([req.id])
@@ -514,5 +468,4 @@ class SpecEngine:
         self._release_kv(req)
         self._release_drafter(req)
         self._requests.pop(req.id, None)
-        self._held.pop(req.id, None)
         return req.output()

@@ -79,9 +79,9 @@ def test_abort_while_prefilling_in_chunks_frees_its_pages():
     eng = engine("eagle", max_prefill_tokens=8)
     rid = eng.add_request(PROMPTS[3], GREEDY)
     eng.step()
-    assert eng.scheduler.prefilling is not None and eng.runner.cache.num_pages_used > 0 and eng._held
+    assert eng.scheduler.prefilling is not None and eng.runner.cache.num_pages_used > 0 and eng._feed.held
     eng.abort(rid)
-    assert eng.runner.cache.num_pages_used == 0 and not eng._held and not eng.has_unfinished()
+    assert eng.runner.cache.num_pages_used == 0 and not eng._feed.held and not eng.has_unfinished()
 
 
 def test_preempted_while_prefilling_it_starts_over_with_the_same_result():
