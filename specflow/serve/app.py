@@ -26,7 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specflow.config import ConfigError, load_yaml, validate
 from specflow.engine import SpecEngine
 from specflow.pipeline import EngineConfig
-from specflow.serve.completions import ApiError, OpenAIServing
+from specflow.serve.completions import OpenAIServing
+from specflow.serve.inputs import ApiError
 from specflow.serve.engine_loop import EngineLoop, EngineNotRunning
 from specflow.serve.metrics import Metrics
 from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
@@ -263,7 +264,7 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    card = ModelCard(id=model_name, created=created, max_model_len=serving.context_len)
+    card = ModelCard(id=model_name, created=created, max_model_len=serving.inputs.context_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -271,7 +272,7 @@ def build_app(engine: SpecEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models/{model:path}")   # (ids may hold slashes: meta-llama/Llama-3.1-8B)
     async def model(model: str) -> ModelCard:
-        serving.check_model(model)
+        serving.inputs.check_model(model)
         return card
 
     @app.post("/v1/completions")
