@@ -7,7 +7,7 @@ from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
 
 ZOO = "zoo/tiny-code"
-SYSTEM = "import os\nimport sys\n" * 6                      # 48 tokens shared by every prompt
+SYSTEM = "import os\nimport sys\n" * 6                      # 36 tokens shared by every prompt
 PROMPTS = [SYSTEM + "def main(", SYSTEM + "class Tree:\n", SYSTEM + "for i in range(10):\n", SYSTEM + "def main("]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 DRAFTERS = {"eagle": {"type": "eagle", "path": f"{ZOO}/eagle"}, "eagle3": {"type": "eagle3", "path": f"{ZOO}/eagle3"},
@@ -73,13 +73,17 @@ def test_a_full_pool_evicts_cached_pages_least_recently_used_first():
     assert small.runner.cache.prefix.num_evictable == small.runner.cache.num_pages_used  # none held
 
 
-def test_with_chunked_prefill_and_a_concurrent_batch():
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_with_chunked_prefill_and_a_concurrent_batch(page_size):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 8, 30, 12)]
     cold = engine("eagle3").generate(PROMPTS * 2, params * 2)
-    cached = engine("eagle3", prefix_caching=True, max_prefill_tokens=20)
-    outs = cached.generate(PROMPTS * 2, params * 2)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
-    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]
+    cached = engine("eagle3", prefix_caching=True, max_prefill_tokens=20, page_size=page_size)
+    outs = cached.generate(PROMPTS * 2, params * 2) + [cached.generate([p], q)[0] for p, q in zip(PROMPTS, params)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold + cold[:4]]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold + cold[:4]]
+    # full pages of the shared system prompt, in a later batch
+    shared = len(cached.encode(SYSTEM))
+    assert all(o.num_cached_tokens >= shared // page_size * page_size for o in outs[8:])
 
 
 def test_preempted_requests_give_the_same_outputs():
