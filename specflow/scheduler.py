@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from specflow.request import Request, Status
 from specflow.runtime.cuda_graph import PAD_REQUEST
 from specflow.runtime.kv_cache import PagedKVCache
+
+
+# SGLang's in-batch prefix caching: a waiting request that shares more than this many tokens past
+# its cached prefix with a prompt this step prefills waits a step, to read that prompt's pages
+SHARED_PREFIX_WAIT = 32
 
 
 @dataclass
@@ -43,7 +50,9 @@ class Scheduler:
     whole sequence and tree; it is the first to be preempted (its chunks done so far dropped).
 
     With prefix caching (PagedKVCache.prefix), an admitted request starts with the cached pages
-    of its longest cached prefix and prefills the rest only.
+    of its longest cached prefix and prefills the rest only; one that shares a longer prefix with
+    a prompt prefilled in the same step waits for that prompt's pages (a burst of requests with
+    one system prompt, the ``n`` choices of one prompt: one of them computes it).
     """
 
     def __init__(self, cache: PagedKVCache, max_batch_size: int, num_draft_tokens: int,
@@ -84,6 +93,10 @@ class Scheduler:
             # all but the last token, whose logits sample the first
             if self.cache.prefix is not None and head.prompt_logprobs is None:
                 head.prefilled = self.cache.match(head.id, head.prefill_ids[:head.prefill_len - 1])
+                if any(common_prefix(head.prefill_ids, c.req.prefill_ids) - head.prefilled > SHARED_PREFIX_WAIT
+                       for c in chunks):
+                    self._unmatch(head)
+                    break
             lookahead = n if ids else 1
             if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
                 self._unmatch(head)
@@ -154,3 +167,10 @@ class Scheduler:
         """The most tokens one request can hold: the whole pool but the CUDA graphs' padding pages."""
         usable = self.cache.allocator.num_pages - len(self.cache.block_tables.get(PAD_REQUEST, ()))
         return usable * self.cache.page_size
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    differs = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(differs.argmax()) if differs.any() else n

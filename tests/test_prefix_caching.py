@@ -115,3 +115,19 @@ def test_a_conversation_reuses_the_last_turn_with_its_answer(drafter):
     # the follow-up, and the answer's last token where its K/V was not computed (the last step's
     # bonus token; a draft accepted past max_tokens has it)
     assert sizes[1][0] in (len(follow_up), 1 + len(follow_up))
+
+
+def test_a_burst_sharing_a_system_prompt_computes_it_once():
+    """Requests admitted together that share a long prefix: the first prefills it, the others wait
+    one step and read its pages (SGLang's in-batch prefix caching); n choices of one prompt too."""
+    prompts = [SYSTEM * 3 + q for q in ("def main(", "class Tree:\n", "for i in range(10):\n")] * 2
+    cold = engine("eagle").generate(prompts, GREEDY)
+    cached = engine("eagle", prefix_caching=True)
+    sizes = prefill_sizes(cached)
+    outs = cached.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]
+    shared = len(cached.encode(SYSTEM * 3))
+    assert sizes[0] == [len(outs[0].prompt_token_ids)]                     # the first one alone
+    assert sum(map(sum, sizes)) < len(outs[0].prompt_token_ids) + 5 * (len(outs[0].prompt_token_ids) - shared + 2)
+    assert all(o.num_cached_tokens >= shared - 1 for o in outs[1:])
