@@ -409,6 +409,8 @@ class SpecEngine:
                                          if fresh[b] and c.req.prompt_logprobs is not None], out)
         for c in chunks:
             c.req.prefilled = c.end
+            if c.first and not c.req.output_ids and not c.req.prefill_began:  # (once: not after a preemption)
+                c.req.num_cached_tokens, c.req.prefill_began = c.start, True
             if c.last and self.runner.cache.prefix is not None:
                 self.runner.cache.insert(c.req.id, c.req.prefill_ids)
         rows = [b for b, c in enumerate(chunks) if c.last and fresh[b]]  # (a resumed request's generator draws nothing)

@@ -104,7 +104,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
         self.status = Status.WAITING
         self.prefilled = 0  # tokens of prefill_ids in the KV cache while it is prefilled in chunks
-        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at its admission
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache when its prefill began
+        self.prefill_began = False  # (a prompt preempted mid-prefill finds its own chunks cached: not counted)
         self.finish_reason: str | None = None
         self.text: str | None = None
         self._checked_len = 0  # decoded characters already searched for stop strings

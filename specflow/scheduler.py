@@ -93,8 +93,7 @@ class Scheduler:
             # all but the last token, whose logits sample the first
             if self.cache.prefix is not None and head.prompt_logprobs is None:
                 head.prefilled = self.cache.match(head.id, head.prefill_ids[:head.prefill_len - 1])
-                if any(common_prefix(head.prefill_ids, c.req.prefill_ids) - head.prefilled > SHARED_PREFIX_WAIT
-                       for c in chunks):
+                if any(self._sharable(head, c.req) - head.prefilled > SHARED_PREFIX_WAIT for c in chunks):
                     self._unmatch(head)
                     break
             lookahead = n if ids else 1
@@ -105,8 +104,6 @@ class Scheduler:
             lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
-            if not req.output_ids:
-                req.num_cached_tokens = req.prefilled
             chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget)), True))
             budget -= chunks[-1].end - chunks[-1].start
             if not chunks[-1].last:  # (the bound is spent: one request at a time is prefilled in chunks)
@@ -143,6 +140,13 @@ class Scheduler:
             self._unmatch(req)
             req.status = Status.WAITING
             self.waiting.appendleft(req)
+
+    def _sharable(self, head: Request, other: Request) -> int:
+        """The tokens of ``head``'s prefill that ``other``'s pages will hold once it is prefilled:
+        the full pages of their common prefix that ``other`` caches (of its prefill input) and
+        ``head`` can match (all but its last token)."""
+        common = min(common_prefix(head.prefill_ids, other.prefill_ids), other.prefill_len, head.prefill_len - 1)
+        return common // self.cache.page_size * self.cache.page_size
 
     def _unmatch(self, req: Request) -> None:
         """Let go of the cached prefix a request not admitted took."""

@@ -131,3 +131,34 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
     assert sizes[0] == [len(outs[0].prompt_token_ids)]                     # the first one alone
     assert sum(map(sum, sizes)) < len(outs[0].prompt_token_ids) + 5 * (len(outs[0].prompt_token_ids) - shared + 2)
     assert all(o.num_cached_tokens >= shared - 1 for o in outs[1:])
+
+
+def test_a_request_waits_for_a_prompt_prefilled_alongside_only_for_pages_it_can_read():
+    """With pages larger than what two prompts share, no page of it can be cached: both are
+    prefilled in the same step, rather than the second waiting a step to compute it all anyway."""
+    shared = list(range(100, 145))                                    # 45 tokens, < one page of 64
+    prompts = [shared + [5, 6, 7, 8, 9], shared + [9, 8, 7, 6, 5]]
+    cold = engine("eagle", page_size=64).generate(prompts, GREEDY)
+    cached = engine("eagle", prefix_caching=True, page_size=64)
+    sizes = prefill_sizes(cached)
+    outs = cached.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert sizes[0] == [50, 50]
+
+
+def test_a_prompt_preempted_mid_prefill_does_not_count_its_own_chunks_as_cached():
+    """num_cached_tokens (usage.prompt_tokens_details.cached_tokens) is what the cache held when
+    the prompt's prefill began (as vLLM counts it): a prompt nobody else sent, preempted while
+    prefilled in chunks, finds its own chunks cached when it resumes; they were not reused."""
+    import random
+
+    rng = random.Random(1)
+    unique = [rng.randrange(3, 700) for _ in range(60)]
+    short = [[rng.randrange(3, 700) for _ in range(10)] for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    eng = engine(prefix_caching=True, page_size=4, max_prefill_tokens=8, kv_cache_tokens=96, max_batch_size=4)
+    sizes = prefill_sizes(eng)
+    outs = eng.generate(short + [unique], params)
+    assert sum(map(sum, sizes)) > sum(len(o.prompt_token_ids) for o in outs)  # someone was preempted mid-prefill
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine().generate(short + [unique], params)]

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 
 from specflow.engine import SpecEngine
-from specflow.request import RequestOutput
 from specflow.logprobs import TokenLogprob
+from specflow.request import RequestOutput
+from specflow.runtime.cuda_graph import PAD_REQUEST
 from specflow.sampling import SamplingParams
 from specflow.serve.metrics import Metrics
 
@@ -230,5 +231,6 @@ class EngineLoop:
         self.metrics.queue_length.set(len(self.engine.scheduler.waiting))
         self.metrics.running.set(len(self.engine.scheduler.running) + (self.engine.scheduler.prefilling is not None))
         cache = self.engine.runner.cache
-        self.metrics.kv_pages_used.set(cache.allocator.num_pages - cache.num_available)
+        padding = len(cache.block_tables.get(PAD_REQUEST, ()))  # (the CUDA graphs' padding page)
+        self.metrics.kv_pages_used.set(cache.allocator.num_pages - cache.num_available - padding)
         self.metrics.kv_pages_cached.set(cache.prefix.num_cached if cache.prefix else 0)

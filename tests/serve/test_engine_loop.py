@@ -25,3 +25,16 @@ def test_text_held_back_for_a_long_stop_string_is_sent_once_in_order():
 
     pieces = asyncio.run(publish())
     assert pieces == ["", "", "abcde", "fghijkl", "mnopqrstuvw"]  # (texts 14, 21 chars; hold 9)
+
+
+def test_kv_pages_used_counts_requests_not_the_graphs_padding_nor_the_prefix_cache(tiny_target):
+    """An idle engine reports 0 pages used: the CUDA graphs' padding page and cached pages no
+    request holds are not anybody's."""
+    from specflow.engine import SpecEngine
+
+    engine = SpecEngine(tiny_target, device="cpu", dtype="float32", cuda_graphs=True, prefix_caching=True)
+    engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    loop = EngineLoop(engine=engine, metrics=Metrics(max_accept_length=8, num_kv_pages=1))
+    loop._update_gauges()
+    assert engine.runner.cache.num_pages_used > 0
+    assert loop.metrics.kv_pages_used._value.get() == 0 and loop.metrics.kv_pages_cached._value.get() > 0
