@@ -38,8 +38,9 @@ class DraftModelDrafter:
             raise CheckpointError(f"draft model vocabulary ({vocab}) differs from the target's "
                                   f"({target_vocab_size}); a draft model must share the tokenizer")
         self.vocab_size = vocab
-        self.runner = TreeDraftRunner((runtime or RuntimeOptions()).runner(
-            model, num_pages=max(1, kv_cache_tokens // page_size), page_size=page_size))
+        runtime = runtime or RuntimeOptions()
+        self.runner = TreeDraftRunner(runtime.runner(model, num_pages=max(1, kv_cache_tokens // page_size),
+                                                     page_size=page_size), max_feed=runtime.max_prefill_tokens)
 
     @classmethod
     def from_config(cls, cfg: DraftModelConfig, *, vocab_size: int | None = None, device: Any = "cpu",

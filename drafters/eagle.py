@@ -70,8 +70,10 @@ class EagleDrafter:
                  runtime: RuntimeOptions | None = None):
         self.head = head
         self.vocab_size = head.config.vocab_size
-        self.runner = TreeDraftRunner((runtime or RuntimeOptions()).runner(
-            head, num_pages=max(1, kv_cache_tokens // page_size), page_size=page_size), features=True)
+        runtime = runtime or RuntimeOptions()
+        self.runner = TreeDraftRunner(runtime.runner(head, num_pages=max(1, kv_cache_tokens // page_size),
+                                                     page_size=page_size),
+                                      features=True, max_feed=runtime.max_prefill_tokens)
 
     @classmethod
     def from_config(cls, cfg: EagleConfig, *, target: ModelRunner, device: Any = "cpu",

@@ -189,9 +189,10 @@ class DraftBatch:
 class TreeDraftRunner:
     """Bookkeeping around a ModelRunner for tree expansion (see module docstring)."""
 
-    def __init__(self, runner: ModelRunner, features: bool = False):
+    def __init__(self, runner: ModelRunner, features: bool = False, max_feed: int | None = None):
         self.runner = runner
         self.features = features
+        self.max_feed = max_feed  # pending tokens one forward feeds ahead of a tree (None: all, with its root)
         self.shift = 1 if features else 0  # entry index = token position - shift
         self.states: dict[int, _DraftState] = {}
         self.scratch = Scratch()            # every request's current build
@@ -312,6 +313,7 @@ class TreeDraftRunner:
         """Feed the frontier (one forward): the fed nodes' (b, f) [R] on the host, and on the
         model's device their outputs [R, H], log-probs [R, V_draft] and ``top_children`` [R, 2k];
         None when no request feeds a node. Nothing waits for the device."""
+        self._catch_up(frontier.roots.request_ids)
         batch = self.plan(frontier)
         if not batch.request_ids:
             return None
@@ -324,6 +326,22 @@ class TreeDraftRunner:
             self._keep_outputs(batch, hidden)
         logprobs = torch.log_softmax(compute_logits(hidden).float(), -1)             # [R, V_draft]
         return bi, fi, hidden, logprobs, top_children(logprobs, frontier.k, to_target, vocab_size)
+
+    def _catch_up(self, request_ids: list[int]) -> None:
+        """Feed the pending committed tokens of requests between trees, but the last
+        ``max_feed``, ``max_feed`` at a time (no logits): a long prompt reaches the drafter's
+        model in forwards no larger than the engine's prefill chunks, not in one."""
+        for rid in request_ids:
+            st = self.states.get(rid)
+            while self.max_feed is not None and st is not None and len(st.pending) > self.max_feed \
+                    and not self.scratch.size[st.slot]:
+                n = self.max_feed
+                features = torch.cat(st.pending_features) if self.features else None         # [pending, F]
+                self.runner.extend([rid], [st.pending[:n]], positions=[range(st.committed, st.committed + n)],
+                                   logits="none", inputs={"features": features[:n]} if self.features else None)
+                st.committed, st.pending = st.committed + n, st.pending[n:]
+                if self.features:
+                    st.pending_features = [features[n:]]
 
     def beam(self, roots: Roots, k: int, levels: int, compute_logits: Callable[[Tensor], Tensor],
              vocab_size: int, to_target: Callable[[Tensor], Tensor] | None = None) -> Beam | None:

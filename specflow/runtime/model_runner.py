@@ -31,12 +31,14 @@ class ExtendOutput:
 
 @dataclass
 class RuntimeOptions:
-    """The runtime settings a drafter's own ModelRunner takes from the engine: attention backend
-    and CUDA graphs (padded to ``max_batch_size`` requests)."""
+    """The runtime settings a drafter's own ModelRunner takes from the engine: attention backend,
+    CUDA graphs (padded to ``max_batch_size`` requests) and the most tokens one forward prefills
+    (``max_prefill_tokens``, None: no bound)."""
 
     backend: str = "auto"
     cuda_graphs: bool = False
     max_batch_size: int = 32
+    max_prefill_tokens: int | None = None
 
     def runner(self, model: torch.nn.Module, *, num_pages: int, page_size: int = 1,
                max_tokens_per_request: int = 64) -> "ModelRunner":
