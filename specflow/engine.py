@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,10 @@ from specflow.penalties import History, Penalties
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.request import Request, RequestOutput
 from specflow.runtime.kv_cache import OutOfPages
-from specflow.runtime.model_runner import ExtendOutput, ModelRunner, RuntimeOptions
-from specflow.runtime.transfer import to_host
+from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
 from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
 from specflow.scheduler import Chunk, Scheduler
-from specflow.tree import DraftTree, Roots, StepRecord, Verdict
+from specflow.spec_step import SpeculativeDecoding
 
 # the salts of requests whose drafter learns across requests (SamplingBatch.coin_walk): one sequence
 # per drafter object, not per engine, as one drafter (a global n-gram trie) may serve several engines,
@@ -96,6 +94,7 @@ class SpecEngine:
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
         self._plain = OverlapDecoding(self) if self.drafter is None else None
+        self._spec = SpeculativeDecoding(self) if self.drafter is not None else None
         self._feed = None if self.drafter is None else \
             FeatureFeed(self.drafter.needs, self.runner.cache, self.model.config.hidden_size, self.dtype)
 
@@ -217,114 +216,7 @@ class SpecEngine:
         running batch. Returns the outputs of requests that finished in it (plain decoding: whose
         last tokens landed in it, one step after their forward)."""
         finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
-        if self.drafter is None:
-            return finished + self._plain.step()
-        while self.scheduler.running:
-            batch = list(self.scheduler.running)
-            roots = self._roots(batch)
-            t0 = time.perf_counter()
-            try:
-                tree, drafted = self._draft(batch, roots)
-            except OutOfPages:  # the drafter's own pool is full: verify the roots only this step
-                tree, drafted = DraftTree.root_only(roots), []
-            if self.record_steps and self.device.type == "cuda":  # the timings split the device's work too
-                torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
-            try:
-                out = self._target_forward(batch, tree)
-            except OutOfPages:  # (a root-only step: _draft drafts only trees the pool holds in full)
-                finished += self._preempt()
-                continue
-            if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
-                tree = tree.to(self.device)
-            verdict = self._verify(tree, out, batch, drafted)
-            # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
-            # and the greedy verifier, the step's one wait for the device
-            *verdict, tokens = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens, tree.tokens])
-            t2 = time.perf_counter()
-            timings = {"draft": t1 - t0, "verify": t2 - t1}
-            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings)
-            break
-        return finished
-
-    def _roots(self, batch: list[Request]) -> Roots:
-        seqs = [r.seq for r in batch]
-        return Roots(
-            request_ids=[r.id for r in batch],
-            tokens=torch.tensor([s[-1] for s in seqs]),
-            positions=torch.tensor([len(s) - 1 for s in seqs]),
-            contexts=seqs,
-            generators=[r.generator for r in batch],
-            greedy=torch.tensor([r.params.greedy for r in batch]),
-        )
-
-    def _draft(self, batch: list[Request], roots: Roots) -> tuple[DraftTree, list[int]]:
-        """The tree of every request, and the rows that drafted; requests that do not speculate get
-        the root only, and so do those whose full trees the target's pool cannot hold: the first
-        speculating rows that fit draft (eagerly; with CUDA graphs, whose one shape pads every row
-        to N, all rows or none), rather than preempting or cutting a request short. That is
-        decided before any draw (the pool's room for trees of ``num_draft_tokens`` nodes), as
-        giving up a drawn tree for its size would bias sampled drafts whose size depends on their
-        draws."""
-        on = self.spec_max_batch_size is None or len(batch) <= self.spec_max_batch_size
-        rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
-        while rows and not self._trees_fit(batch, rows):
-            rows = rows[:-1] if self.runner.graphs is None else []
-        if not rows:
-            return DraftTree.root_only(roots), []
-        drafting = roots if len(rows) == len(batch) else roots.select(rows)
-        tree = self.tree_builder.build(self.drafter, drafting)
-        self.pipeline.check_tree(tree, drafting, self.model.config.vocab_size, full=self.check_drafts)
-        if len(rows) == len(batch):
-            return tree, rows
-        return DraftTree.root_only(roots).pad_to(self.tree_builder.num_draft_tokens).place(rows, tree), rows
-
-    def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
-        """One batched target pass over every tree: every node when CUDA graphs want one fixed
-        shape, read where the tree lies (padding nodes' outputs are never read); eagerly, each
-        request up to its last valid node."""
-        ids, n, taps = [r.id for r in batch], tree.num_nodes, self.drafter.needs.layer_taps
-        if self.runner.graphs is not None or n == 1:  # no value of the tree comes back to the host
-            masks = list(tree.mask) if n > 1 else None  # (1 node: causal)
-            return self.runner.extend(ids, tree.tokens, positions=tree.positions, tree_masks=masks, taps=taps)
-        n_send = tree.valid.long() * torch.arange(1, n + 1, device=tree.valid.device)  # [B, N]
-        tokens, positions, n_send = to_host([tree.tokens, tree.positions, n_send.amax(1)])
-        n_send = n_send.tolist()
-        return self.runner.extend(
-            ids, [t[:n] for t, n in zip(tokens.tolist(), n_send)],
-            positions=[p[:n] for p, n in zip(positions.tolist(), n_send)],
-            tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
-            taps=taps)
-
-    def _trees_fit(self, batch: list[Request], rows: list[int]) -> bool:
-        """Whether the target's pool holds this step with full trees in ``rows`` (in every row
-        with CUDA graphs, whose one shape pads the others to N) and the root elsewhere."""
-        n = self.tree_builder.num_draft_tokens
-        full = set(rows) if self.runner.graphs is None else range(len(batch))
-        return self.runner.cache.fits([r.id for r in batch], [self.runner.kv_len(r.id) + (n if i in full else 1)
-                                                              for i, r in enumerate(batch)])
-
-    def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
-        if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)
-            return out.logits.view(tree.batch_size, tree.num_nodes, -1)                  # [B, N, V]
-        logits = out.logits.new_zeros(tree.batch_size, tree.num_nodes, out.logits.shape[-1])
-        for b in range(tree.batch_size):
-            rows = out.rows(b)
-            logits[b, : rows.stop - rows.start] = out.logits[rows]          # [n_b, V]
-        return logits                                                        # [B, N, V]
-
-    def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request], drafted: list[int]) -> Verdict:
-        """The verifier's walk; a root-only tree (plain decoding) just samples the next token, as
-        prefill does, with no tree to walk."""
-        sampling, penalties = self._sampling(batch, drafted=drafted), self._penalties(batch)
-        if tree.num_nodes > 1:
-            logits = self._tree_logits(tree, out)                                  # [B, N, V]
-            if penalties is not None:  # every node by its own path
-                logits = penalties.apply(logits, tree)
-            return self.verifier.verify(tree, logits, sampling)
-        bonus = next_tokens(self._adjusted(out.logits, penalties), sampling)
-        zeros = torch.zeros(len(batch), 1, dtype=torch.long)
-        return Verdict(zeros, zeros[:, 0], bonus)
+        return finished + (self._plain.step() if self.drafter is None else self._spec.step())
 
     def _sampling(self, batch: list[Request], ahead: list[bool] | None = None,
                   drafted: list[int] | None = None) -> SamplingBatch:
@@ -349,40 +241,6 @@ class SpecEngine:
     def _adjusted(logits: Tensor, penalties: Penalties | None) -> Tensor:
         """[B, V] logits of the token after each sequence, adjusted by ``penalties``."""
         return logits if penalties is None else penalties.apply(logits[:, None])[:, 0]
-
-    def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
-                out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
-        """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
-        ``verdict`` is on the host and ``tokens`` are the tree's."""
-        finished, live, logprobs = [], [], []
-        paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
-        records = tree.to_json() if self.record_steps else None
-        accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
-        bases = [r.seq_len - 1 for r in batch]
-        self.runner.commit([r.id for r in batch], bases, accepted_paths)
-        self._feed.committed(batch, bases, accepted_paths, out)
-        for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
-            new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
-            kept = req.append(new)
-            req.accept_lengths.append(kept)
-            if req.logprobs is not None:  # token i was committed at node accepted[i]
-                logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
-            if self.record_steps:
-                req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
-                                            new[-1], timings, len(batch)))
-            if not req.finished:
-                live.append((b, req, accepted))
-        add_token_logprobs(out.logits, logprobs)
-        finished = [self._finish(req) for req in batch if req.finished]
-        if live:
-            rows = [b for b, _, _ in live]
-            sub = verdict if len(live) == len(batch) else \
-                Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
-            self.drafter.commit(sub, self._feed.layout(
-                [req for _, req, _ in live],
-                [[out.offsets[b] + i for i in acc] for b, _, acc in live],
-                out, [len(acc) + 1 for _, _, acc in live]))
-        return finished
 
     def _prefill(self, chunks: list[Chunk]) -> list[RequestOutput]:
         """Compute the K/V of this step's chunks of each admitted request's prefill input (a new
