@@ -15,7 +15,7 @@ PROMPTS = ["def main(", "import os\nimport sys\n" * 3, "class Tree:\n    def __i
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 DRAFTERS = {"eagle": {"type": "eagle", "path": f"{ZOO}/eagle"}, "eagle3": {"type": "eagle3", "path": f"{ZOO}/eagle3"},
             "medusa": {"type": "medusa", "path": f"{ZOO}/medusa"}, "draft": {"type": "draft_model", "path": f"{ZOO}/draft"},
-            "ngram": {"type": "ngram"}}
+            "ngram": {"type": "ngram"}, "plain": None}
 TREE = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
 
 

@@ -5,28 +5,11 @@ import pytest
 
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
+from tests.test_chunked_prefill import DRAFTERS, engine, prefill_sizes
 
-ZOO = "zoo/tiny-code"
 SYSTEM = "import os\nimport sys\n" * 6                      # 36 tokens shared by every prompt
 PROMPTS = [SYSTEM + "def main(", SYSTEM + "class Tree:\n", SYSTEM + "for i in range(10):\n", SYSTEM + "def main("]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-DRAFTERS = {"eagle": {"type": "eagle", "path": f"{ZOO}/eagle"}, "eagle3": {"type": "eagle3", "path": f"{ZOO}/eagle3"},
-            "medusa": {"type": "medusa", "path": f"{ZOO}/medusa"}, "draft": {"type": "draft_model", "path": f"{ZOO}/draft"},
-            "ngram": {"type": "ngram"}, "plain": None}
-TREE = {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}
-
-
-def engine(drafter="plain", **kwargs) -> SpecEngine:
-    node = DRAFTERS[drafter]
-    return SpecEngine(f"{ZOO}/target", node, TREE if node else None, {"type": "greedy"}, device="cpu",
-                      dtype="float32", **kwargs)
-
-
-def prefill_sizes(eng: SpecEngine) -> list[list[int]]:
-    sizes, extend = [], eng.runner.extend
-    eng.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and sizes.append(
-        [len(t) for t in tokens])) or extend(ids, tokens, **kw)
-    return sizes
 
 
 def one_at_a_time(eng: SpecEngine, prompts, params=GREEDY):
