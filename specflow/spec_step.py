@@ -79,31 +79,33 @@ class SpeculativeDecoding:
         decided before any draw (the pool's room for trees of ``num_draft_tokens`` nodes), as
         giving up a drawn tree for its size would bias sampled drafts whose size depends on their
         draws."""
-        on = self.engine.spec_max_batch_size is None or len(batch) <= self.engine.spec_max_batch_size
+        engine = self.engine
+        on = engine.spec_max_batch_size is None or len(batch) <= engine.spec_max_batch_size
         rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
         while rows and not self._trees_fit(batch, rows):
-            rows = rows[:-1] if self.engine.runner.graphs is None else []
+            rows = rows[:-1] if engine.runner.graphs is None else []
         if not rows:
             return DraftTree.root_only(roots), []
         drafting = roots if len(rows) == len(batch) else roots.select(rows)
-        tree = self.engine.tree_builder.build(self.engine.drafter, drafting)
-        self.engine.pipeline.check_tree(tree, drafting, self.engine.model.config.vocab_size, full=self.engine.check_drafts)
+        tree = engine.tree_builder.build(engine.drafter, drafting)
+        engine.pipeline.check_tree(tree, drafting, engine.model.config.vocab_size, full=engine.check_drafts)
         if len(rows) == len(batch):
             return tree, rows
-        return DraftTree.root_only(roots).pad_to(self.engine.tree_builder.num_draft_tokens).place(rows, tree), rows
+        return DraftTree.root_only(roots).pad_to(engine.tree_builder.num_draft_tokens).place(rows, tree), rows
 
     def _target_forward(self, batch: list[Request], tree: DraftTree) -> ExtendOutput:
         """One batched target pass over every tree: every node when CUDA graphs want one fixed
         shape, read where the tree lies (padding nodes' outputs are never read); eagerly, each
         request up to its last valid node."""
-        ids, n, taps = [r.id for r in batch], tree.num_nodes, self.engine.drafter.needs.layer_taps
-        if self.engine.runner.graphs is not None or n == 1:  # no value of the tree comes back to the host
+        engine = self.engine
+        ids, n, taps = [r.id for r in batch], tree.num_nodes, engine.drafter.needs.layer_taps
+        if engine.runner.graphs is not None or n == 1:  # no value of the tree comes back to the host
             masks = list(tree.mask) if n > 1 else None  # (1 node: causal)
-            return self.engine.runner.extend(ids, tree.tokens, positions=tree.positions, tree_masks=masks, taps=taps)
+            return engine.runner.extend(ids, tree.tokens, positions=tree.positions, tree_masks=masks, taps=taps)
         n_send = tree.valid.long() * torch.arange(1, n + 1, device=tree.valid.device)  # [B, N]
         tokens, positions, n_send = to_host([tree.tokens, tree.positions, n_send.amax(1)])
         n_send = n_send.tolist()
-        return self.engine.runner.extend(
+        return engine.runner.extend(
             ids, [t[:n] for t, n in zip(tokens.tolist(), n_send)],
             positions=[p[:n] for p, n in zip(positions.tolist(), n_send)],
             tree_masks=[tree.mask[b, :n, :n] if n > 1 else None for b, n in enumerate(n_send)],  # 1 node: causal
@@ -112,10 +114,11 @@ class SpeculativeDecoding:
     def _trees_fit(self, batch: list[Request], rows: list[int]) -> bool:
         """Whether the target's pool holds this step with full trees in ``rows`` (in every row
         with CUDA graphs, whose one shape pads the others to N) and the root elsewhere."""
-        n = self.engine.tree_builder.num_draft_tokens
-        full = set(rows) if self.engine.runner.graphs is None else range(len(batch))
-        return self.engine.runner.cache.fits([r.id for r in batch], [self.engine.runner.kv_len(r.id) + (n if i in full else 1)
-                                                              for i, r in enumerate(batch)])
+        engine = self.engine
+        n = engine.tree_builder.num_draft_tokens
+        full = set(rows) if engine.runner.graphs is None else range(len(batch))
+        return engine.runner.cache.fits([r.id for r in batch], [engine.runner.kv_len(r.id) + (n if i in full else 1)
+                                                                for i, r in enumerate(batch)])
 
     def _tree_logits(self, tree: DraftTree, out: ExtendOutput) -> torch.Tensor:
         if out.offsets[-1] == tree.batch_size * tree.num_nodes:  # every node sent (CUDA graphs, full trees)
@@ -129,13 +132,14 @@ class SpeculativeDecoding:
     def _verify(self, tree: DraftTree, out: ExtendOutput, batch: list[Request], drafted: list[int]) -> Verdict:
         """The verifier's walk; a root-only tree (plain decoding) just samples the next token, as
         prefill does, with no tree to walk."""
-        sampling, penalties = self.engine._sampling(batch, drafted=drafted), self.engine._penalties(batch)
+        engine = self.engine
+        sampling, penalties = engine._sampling(batch, drafted=drafted), engine._penalties(batch)
         if tree.num_nodes > 1:
             logits = self._tree_logits(tree, out)                                  # [B, N, V]
             if penalties is not None:  # every node by its own path
                 logits = penalties.apply(logits, tree)
-            return self.engine.verifier.verify(tree, logits, sampling)
-        bonus = next_tokens(self.engine._adjusted(out.logits, penalties), sampling)
+            return engine.verifier.verify(tree, logits, sampling)
+        bonus = next_tokens(engine._adjusted(out.logits, penalties), sampling)
         zeros = torch.zeros(len(batch), 1, dtype=torch.long)
         return Verdict(zeros, zeros[:, 0], bonus)
 
@@ -143,31 +147,32 @@ class SpeculativeDecoding:
                 out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
         """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
         ``verdict`` is on the host and ``tokens`` are the tree's."""
+        engine = self.engine
         finished, live, logprobs = [], [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
-        records = tree.to_json() if self.engine.record_steps else None
+        records = tree.to_json() if engine.record_steps else None
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         bases = [r.seq_len - 1 for r in batch]
-        self.engine.runner.commit([r.id for r in batch], bases, accepted_paths)
-        self.engine._feed.committed(batch, bases, accepted_paths, out)
+        engine.runner.commit([r.id for r in batch], bases, accepted_paths)
+        engine._feed.committed(batch, bases, accepted_paths, out)
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
                 logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
-            if self.engine.record_steps:
+            if engine.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
                                             new[-1], timings, len(batch)))
             if not req.finished:
                 live.append((b, req, accepted))
         add_token_logprobs(out.logits, logprobs)
-        finished = [self.engine._finish(req) for req in batch if req.finished]
+        finished = [engine._finish(req) for req in batch if req.finished]
         if live:
             rows = [b for b, _, _ in live]
             sub = verdict if len(live) == len(batch) else \
                 Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
-            self.engine.drafter.commit(sub, self.engine._feed.layout(
+            engine.drafter.commit(sub, engine._feed.layout(
                 [req for _, req, _ in live],
                 [[out.offsets[b] + i for i in acc] for b, _, acc in live],
                 out, [len(acc) + 1 for _, _, acc in live]))
