@@ -71,7 +71,7 @@ class SpecEngine:
         if cuda_graphs is None:
             cuda_graphs = graphable and self.device.type == "cuda"
         # drafters build their own runners with the target's backend and graph settings
-        self.runtime = RuntimeOptions(backend, cuda_graphs, max_batch_size, max_prefill_tokens)
+        self.runtime = RuntimeOptions(backend, cuda_graphs, max_batch_size, max_prefill_tokens, prefix_caching)
         self.pipeline = Pipeline.from_config(
             drafter, tree, verifier, target=self.runner, vocab_size=self.model.config.vocab_size,
             device=self.device, dtype=self.dtype,

@@ -18,15 +18,22 @@ def one_at_a_time(eng: SpecEngine, prompts, params=GREEDY):
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_shared_prefixes_are_prefilled_once_with_the_same_outputs_and_drafts(drafter):
-    cold = one_at_a_time(engine(drafter), PROMPTS)
-    cached = engine(drafter, prefix_caching=True)
-    sizes = prefill_sizes(cached)
-    outs = one_at_a_time(cached, PROMPTS)
+    engines, fed = [engine(drafter), engine(drafter, prefix_caching=True)], [[], []]
+    for eng, counts in zip(engines, fed):  # tokens fed to a drafter's own model (a draft model, an EAGLE head)
+        if hasattr(eng.drafter, "runner"):
+            extend = eng.drafter.runner.runner.extend
+            eng.drafter.runner.runner.extend = lambda ids, tokens, extend=extend, counts=counts, **kw: \
+                counts.append(sum(map(len, tokens))) or extend(ids, tokens, **kw)
+    cold = one_at_a_time(engines[0], PROMPTS)
+    sizes = prefill_sizes(engines[1])
+    outs = one_at_a_time(engines[1], PROMPTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]  # the drafts too
-    lens = [len(o.prompt_token_ids) for o in outs]
+    lens, shared = [len(o.prompt_token_ids) for o in outs], len(engines[1].encode(SYSTEM))
     # the first prompt whole; then all but the shared system prompt (the repeat: its last token)
-    assert [s for (s,) in sizes] == [lens[0]] + [n - len(cached.encode(SYSTEM)) for n in lens[1:3]] + [1]
+    assert [s for (s,) in sizes] == [lens[0]] + [n - shared for n in lens[1:3]] + [1]
+    # the drafter's own model reuses its cached pages of the prefix too
+    assert not fed[0] or sum(fed[1]) <= sum(fed[0]) - 2 * shared
 
 
 def test_sampled_outputs_and_logprobs_are_those_without_it():

@@ -155,6 +155,8 @@ class _DraftState:
     slot: int                                             # the request's rows of the runner's Scratch
     committed: int = 0                                    # tokens in the cache before the scratch
     pending: list[int] = field(default_factory=list)
+    entries: list[int] = field(default_factory=list)      # the token of every entry, committed and pending
+    root: int = -1                                        # PrefixCache's root for its entries
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
     last_feature: Tensor | None = None                             # [1, F] target feature of the token before the root
@@ -200,22 +202,26 @@ class TreeDraftRunner:
         self.epoch = 0                      # builds so far (outputs of older builds are gone)
 
     def add_pending(self, request_id: int, tokens: list[int], features: Tensor | None = None) -> None:
-        """Queue committed tokens; with ``features=True`` also their target features ``[n, F]``."""
+        """Queue committed tokens; with ``features=True`` also their target features ``[n, F]``.
+        With prefix caching, a new request's entries that the cache holds are committed at once."""
         st = self._state(request_id)
-        if not self.features:
-            st.pending.extend(tokens)
-            return
-        assert features is not None and len(features) == len(tokens), "one target feature per token"
-        if not tokens:
-            return
-        before = features[:-1]  # [n - 1, F]: the feature each token after the first reads
-        if st.last_feature is None:  # the request's first token has no entry
-            tokens = tokens[1:]
-        else:
-            before = torch.cat([st.last_feature, before])
-        st.pending.extend(tokens)
-        st.pending_features.append(before)
-        st.last_feature = features[-1:]
+        if self.features:
+            assert features is not None and len(features) == len(tokens), "one target feature per token"
+            if not tokens:
+                return
+            before = features[:-1]  # [n - 1, F]: the feature each token after the first reads
+            if st.last_feature is None:  # the request's first token has no entry: its entries follow it
+                st.root, tokens = -2 - tokens[0], tokens[1:]
+            else:
+                before = torch.cat([st.last_feature, before])
+            st.last_feature = features[-1:]
+        cached = 0
+        if self.runner.cache.prefix is not None and not st.entries and not st.committed:
+            cached = st.committed = self.runner.cache.match(request_id, tokens, st.root)
+        st.entries.extend(tokens)
+        st.pending.extend(tokens[cached:])
+        if self.features:
+            st.pending_features.append(before[cached:])
 
     def plan(self, frontier: Frontier) -> DraftBatch:
         """Decide which tokens each request feeds for this expansion.
@@ -402,6 +408,7 @@ class TreeDraftRunner:
         self.scratch.clear(np.array([st.slot for st in states], dtype=np.int64))
         for i, (rid, st, keep, toks) in enumerate(zip(request_ids, states, keeps, tokens)):
             st.committed += len(keep)
+            st.entries.extend(toks[:len(keep)])
             if self.features:
                 f = features[i]
                 assert len(f) == len(toks), "one target feature per token"
@@ -422,5 +429,7 @@ class TreeDraftRunner:
             st = self.states.pop(rid, None)
             if st is not None:
                 self.scratch.release(st.slot)
+                if self.runner.cache.prefix is not None:  # its committed entries stay cached
+                    self.runner.cache.insert(rid, st.entries[:st.committed], st.root)
             if rid in self.runner.cache.block_tables:
                 self.runner.release([rid])

@@ -193,19 +193,20 @@ class PagedKVCache:
             self.allocator.free(table.pages if self.prefix is None else self.prefix.release(table.pages))
         self.kv_lens.pop(request_id, None)
 
-    def match(self, request_id: int, tokens: list[int]) -> int:
+    def match(self, request_id: int, tokens: list[int], root: int = -1) -> int:
         """Start a new request's table with the cached pages of the longest prefix of ``tokens``
-        made of full pages; returns the tokens they hold (its cached length)."""
+        made of full pages (after ``root``: PrefixCache); returns the tokens they hold (its
+        cached length)."""
         assert request_id not in self.block_tables
-        pages = self.prefix.match(tokens)
+        pages = self.prefix.match(tokens, root)
         if pages:
             self.block_tables[request_id], self.kv_lens[request_id] = BlockTable(), len(pages) * self.page_size
             self.block_tables[request_id].extend(np.array(pages, dtype=np.int64))
         return len(pages) * self.page_size
 
-    def insert(self, request_id: int, tokens: list[int]) -> None:
+    def insert(self, request_id: int, tokens: list[int], root: int = -1) -> None:
         """Cache the request's full pages holding ``tokens``, its committed tokens from the first
-        (at most its cached length of them)."""
+        (at most its cached length of them; after ``root``: PrefixCache)."""
         n = min(len(tokens), self.kv_lens.get(request_id, 0)) // self.page_size
         if n:
-            self.prefix.insert(self.block_tables[request_id].pages[:n], tokens[:n * self.page_size])
+            self.prefix.insert(self.block_tables[request_id].pages[:n], tokens[:n * self.page_size], root)

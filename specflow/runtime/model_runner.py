@@ -32,19 +32,21 @@ class ExtendOutput:
 @dataclass
 class RuntimeOptions:
     """The runtime settings a drafter's own ModelRunner takes from the engine: attention backend,
-    CUDA graphs (padded to ``max_batch_size`` requests) and the most tokens one forward prefills
-    (``max_prefill_tokens``, None: no bound)."""
+    CUDA graphs (padded to ``max_batch_size`` requests), the most tokens one forward prefills
+    (``max_prefill_tokens``, None: no bound) and prefix caching."""
 
     backend: str = "auto"
     cuda_graphs: bool = False
     max_batch_size: int = 32
     max_prefill_tokens: int | None = None
+    prefix_caching: bool = False
 
     def runner(self, model: torch.nn.Module, *, num_pages: int, page_size: int = 1,
                max_tokens_per_request: int = 64) -> "ModelRunner":
         """A runner for ``model``; expansions of up to ``max_tokens_per_request`` nodes per
         request replay from graphs when ``cuda_graphs`` is on and the backend supports them."""
-        runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, backend=self.backend)
+        runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, backend=self.backend,
+                             prefix_caching=self.prefix_caching)
         if self.cuda_graphs and runner.attn.supports_graphs:
             runner.enable_graphs(self.max_batch_size, max_tokens_per_request)
         return runner

@@ -2,9 +2,10 @@
 starts with the same tokens (vLLM's automatic prefix caching, SGLang's radix cache, at page
 granularity).
 
-A cached page is keyed by its parent page (the cached page before it, -1 for the first) and its
-tokens, so a key names the whole prefix up to the page's end and a lookup compares token ids
-exactly (no hash can collide). Block tables hold cached pages by reference; a cached page no
+A cached page is keyed by its parent page (the cached page before it; for the first, a root:
+-1, or a negative number that names what precedes the first page, as an EAGLE head's entries
+follow the sequence's first token) and its tokens, so a key names the whole prefix up to the
+page's end and a lookup compares token ids exactly (no hash can collide). Block tables hold cached pages by reference; a cached page no
 table holds stays in the pool, *evictable*, until the allocator needs it, least recently
 released first. A table's pages are released last page first, and a table holding a page holds
 its parents, so a page is always evicted before its parent: no key ever names a page id that was
@@ -41,10 +42,10 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._key
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], root: int = -1) -> list[int]:
         """The cached pages of the longest prefix of ``tokens`` made of full pages, taken by
         one more table each."""
-        pages, parent, ps = [], -1, self.page_size
+        pages, parent, ps = [], root, self.page_size
         for start in range(0, len(tokens) - ps + 1, ps):
             page = self._page.get((parent, tuple(tokens[start:start + ps])))
             if page is None:
@@ -56,11 +57,11 @@ class PrefixCache:
             self._evictable.pop(page, None)
         return pages
 
-    def insert(self, pages: np.ndarray, tokens: Sequence[int]) -> None:
+    def insert(self, pages: np.ndarray, tokens: Sequence[int], root: int = -1) -> None:
         """Cache a table's ``pages`` holding ``tokens`` (full pages of committed tokens, from the
         table's first page): those not cached yet become cached, held by this table. Stops at a
         page whose prefix another page holds already (a request that computed it alongside)."""
-        parent, ps = -1, self.page_size
+        parent, ps = root, self.page_size
         for i, page in enumerate(pages.tolist()):
             key = (parent, tuple(tokens[i * ps:(i + 1) * ps]))
             if page not in self._key:
