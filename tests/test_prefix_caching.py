@@ -152,3 +152,36 @@ def test_a_prompt_preempted_mid_prefill_does_not_count_its_own_chunks_as_cached(
     assert sum(map(sum, sizes)) > sum(len(o.prompt_token_ids) for o in outs)  # someone was preempted mid-prefill
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert [o.token_ids for o in outs] == [o.token_ids for o in engine().generate(short + [unique], params)]
+
+
+def test_an_eagle_request_whose_first_build_was_given_up_then_out_of_pages_commits():
+    """A one-token prompt has no EAGLE entry before its first root; a build given up, truncated
+    in a plan that then runs out of drafter pages, leaves it an empty block table: the root-only
+    step's commit must not try to match the cache again."""
+    import torch
+
+    from specflow.runtime.kv_cache import OutOfPages
+    from specflow.tree import DraftTree, Frontier, Roots
+
+    eng = SpecEngine("zoo/tiny-code/target", {"type": "eagle", "path": "zoo/tiny-code/eagle", "kv_cache_tokens": 64},
+                     {"type": "eagle2", "topk": 4, "depth": 3, "num_draft_tokens": 8}, {"type": "greedy"},
+                     device="cpu", dtype="float32", prefix_caching=True)
+    d = eng.drafter
+    runner, cache, f = d.runner, d.runner.runner.cache, d.runner.runner.model.config.hidden_size
+
+    def expand(roots):
+        frontier = Frontier(roots, DraftTree.root_only(roots), torch.zeros(roots.batch_size, 1, dtype=torch.long), 4, False)
+        runner.expand(frontier, d.head.compute_logits, d.vocab_size, d.head.draft_to_target)
+
+    with torch.inference_mode():
+        runner.add_pending(1, [5], torch.randn(1, f))
+        expand(Roots([1], torch.tensor([7]), torch.tensor([1]), [[5, 7]]))  # its build, then given up
+        runner.add_pending(2, [5, 6, 7, 8, 9], torch.randn(5, f))
+        cache.reserve([99], [cache.allocator.num_free * cache.page_size])   # the pool is full
+        with pytest.raises(OutOfPages):
+            expand(Roots([1, 2], torch.tensor([7, 3]), torch.tensor([1, 5]), [[5, 7], [5, 6, 7, 8, 9, 3]]))
+        runner.commit([1, 2], [[7], [3]], [torch.randn(1, f), torch.randn(1, f)])  # roots only
+    assert runner.states[1].committed + len(runner.states[1].pending) == 1
+    runner.release([1, 2])
+    cache.release(99)
+    assert cache.num_pages_used == cache.prefix.num_evictable

@@ -216,7 +216,9 @@ class TreeDraftRunner:
                 before = torch.cat([st.last_feature, before])
             st.last_feature = features[-1:]
         cached = 0
-        if self.runner.cache.prefix is not None and not st.entries and not st.committed:
+        # (a table left empty by a build given up is not matched into: only a request's first tokens)
+        if self.runner.cache.prefix is not None and not st.entries and not st.committed \
+                and request_id not in self.runner.cache.block_tables:
             cached = st.committed = self.runner.cache.match(request_id, tokens, st.root)
         st.entries.extend(tokens)
         st.pending.extend(tokens[cached:])
