@@ -29,6 +29,12 @@ the model as ``features`` (SafeAILab/EAGLE ``topK_genrate``, SGLang's draft exte
   the accepted drafts are queued again with their target features and recomputed at the next
   expansion.
 
+Pending tokens beyond ``max_feed`` (the engine's prefill bound) are fed ahead of a tree, that many
+at a time. With prefix caching on the runner's cache, a new request's entries that the cache
+holds are committed at once, and a released request's committed entries stay cached; with
+``features=True`` they are keyed after the sequence's first token (PrefixCache's root), whose
+target feature the first entry reads.
+
 Host work per expansion is numpy over the whole batch; what is left per request is cheap (a
 tree start's pending tokens, a view of each mask), so it stays small next to the drafter's
 forward at large batches.
