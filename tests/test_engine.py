@@ -9,6 +9,7 @@ from specflow.pipeline import EngineConfig
 from specflow.registry import VERIFIERS
 from specflow.tree import Expansion, Frontier
 from tests.stateless import StatelessDrafter
+from tests.test_chunked_prefill import prefill_sizes
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90, 91, 92, 300]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -104,11 +105,9 @@ def test_kv_pressure_queues_and_preempts_without_changing_results(tiny_target, e
 def test_a_prefill_bound_spreads_prompts_over_steps_in_chunks_without_changing_results(tiny_target, engine):
     expected = [o.token_ids for o in engine.generate(PROMPTS * 2, GREEDY)]
     bounded = SpecEngine(engine.model, {"type": "ngram"}, tokenizer=engine.tokenizer, max_prefill_tokens=10)
-    prefilled = []
-    extend = bounded.runner.extend
-    bounded.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and prefilled.append(
-        sum(map(len, tokens)))) or extend(ids, tokens, **kw)
+    sizes = prefill_sizes(bounded)
     assert [o.token_ids for o in bounded.generate(PROMPTS * 2, GREEDY)] == expected
+    prefilled = [sum(step) for step in sizes]
     # prompts of 9, 5, 12, 9, 5, 12 tokens, each step filled up to the bound by the next chunks:
     # 9 + 1 of 5; 4 + 6 of 12; 6 + 4 of 9; 5 + 5; 10 of 12; 2
     assert prefilled == [10, 10, 10, 10, 10, 2]

@@ -161,7 +161,7 @@ class _DraftState:
     slot: int                                             # the request's rows of the runner's Scratch
     committed: int = 0                                    # tokens in the cache before the scratch
     pending: list[int] = field(default_factory=list)
-    entries: list[int] = field(default_factory=list)      # the token of every entry, committed and pending
+    entries: list[int] = field(default_factory=list)      # prefix caching: every entry's token, committed and pending
     root: int = -1                                        # PrefixCache's root for its entries
     # features=True only:
     pending_features: list[Tensor] = field(default_factory=list)  # chunks [n, F], one row per pending token
@@ -222,11 +222,10 @@ class TreeDraftRunner:
                 before = torch.cat([st.last_feature, before])
             st.last_feature = features[-1:]
         cached = 0
-        # (a table left empty by a build given up is not matched into: only a request's first tokens)
-        if self.runner.cache.prefix is not None and not st.entries and not st.committed \
-                and request_id not in self.runner.cache.block_tables:
-            cached = st.committed = self.runner.cache.match(request_id, tokens, st.root)
-        st.entries.extend(tokens)
+        if self.runner.cache.prefix is not None:  # (a table left empty by a build given up is not
+            if not st.entries and not st.committed and request_id not in self.runner.cache.block_tables:  # matched)
+                cached = st.committed = self.runner.cache.match(request_id, tokens, st.root)
+            st.entries.extend(tokens)
         st.pending.extend(tokens[cached:])
         if self.features:
             st.pending_features.append(before[cached:])
@@ -416,7 +415,8 @@ class TreeDraftRunner:
         self.scratch.clear(np.array([st.slot for st in states], dtype=np.int64))
         for i, (rid, st, keep, toks) in enumerate(zip(request_ids, states, keeps, tokens)):
             st.committed += len(keep)
-            st.entries.extend(toks[:len(keep)])
+            if self.runner.cache.prefix is not None:
+                st.entries.extend(toks[:len(keep)])
             if self.features:
                 f = features[i]
                 assert len(f) == len(toks), "one target feature per token"
