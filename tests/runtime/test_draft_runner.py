@@ -4,7 +4,7 @@ by token path. (Drafting through it is tested with every drafter in tests/drafte
 import numpy as np
 import pytest
 
-from specflow.runtime.draft_runner import Scratch
+from specflow.runtime.draft_scratch import Scratch
 
 TOKENS = np.array([[7, 11, 12, 13, 14]])  # one tree: 0 -> 1, 2; 1 -> 3; 2 -> 4
 PARENTS = np.array([[-1, 0, 0, 1, 2]])
