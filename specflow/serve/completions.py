@@ -19,11 +19,11 @@ from specflow.logprobs import TokenLogprob
 from specflow.sampling import SamplingParams
 from specflow.serve.engine_loop import Delta, EngineLoop, Submission
 from specflow.serve.inputs import ApiError, RequestInputs
-from specflow.serve.protocol import (
-    AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-    ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
-    SamplingFields, ToolCallChunk, TopLogprob, Usage, error_body)
+from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specflow.serve.responses import (
+    AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+    ChatDelta, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
+    PromptTokensDetails, ToolCallChunk, TopLogprob, Usage, error_body)
 from specflow.serve.token_bytes import TextOffsets, TokenBytes
 from specflow.serve.tool_parser import ToolCallStream, parse_tool_calls, tool_finish_reason
 

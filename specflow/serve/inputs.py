@@ -7,7 +7,8 @@ import asyncio
 
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
-from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specflow.serve.responses import error_body
 
 
 class ApiError(Exception):
