@@ -24,8 +24,8 @@ from specflow.runtime import attention
 from specflow.runtime.attention import ForwardBatch, TorchBackend
 from specflow.runtime.beam import Beam
 from specflow.runtime.cuda_graph import PAD_REQUEST, GraphRunner
-from specflow.runtime.flashinfer_backend import (FlashinferBackend, custom_mask, flashinfer_available, packbits,
-                                                 flashinfer_supports, page_table, positions_are_indices)
+from specflow.runtime.flashinfer_backend import FlashinferBackend, flashinfer_available, flashinfer_supports
+from specflow.runtime.flashinfer_inputs import custom_mask, packbits, page_table, positions_are_indices
 from specflow.runtime.kv_cache import PagedKVCache
 from specflow.runtime.model_runner import ModelRunner
 from specflow.sampling import SamplingParams
