@@ -21,6 +21,7 @@ from specflow.engine import SpecEngine
 from specflow.models import load_model, load_tokenizer
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.registry import plugin_sources
+from specflow.runtime.cuda_graph import capture_sizes
 from specflow.sampling import SamplingParams
 
 
@@ -65,8 +66,9 @@ class ExperimentConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     batch_size: int = 1                    # requests in flight together
-    # untimed requests before each pipeline, on seeded random token ids as long as the first prompt
-    # (same sampling and max_tokens): never a suite prompt, which a drafter that learns across
+    # untimed rounds before each pipeline, on seeded random token ids as long as the longest prompt
+    # (same sampling and max_tokens), each round a batch of batch_size (with CUDA graphs, a batch per
+    # graph batch size up to batch_size): never a suite prompt, which a drafter that learns across
     # requests (ngram scope: global) would then have seen before it is timed
     warmup: int = 1
     # timed runs of the suite per pipeline (baseline included), each on a fresh engine: a batch's
@@ -121,12 +123,23 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                                                    add_generation_prompt=True) if cfg.prompts.chat_template else p.text
              for p in prompts]
     params = [sampling_params(sampling, i) for i in range(len(prompts))]
-    warm_len = len(engine.encode(texts[0]))
+    # CUDA graphs are captured the first time a shape is met, on this fresh engine: the warm-up
+    # meets the timed batches' batch sizes (with graphs, every padded size up to the largest
+    # batch, which requests finishing at different steps pass through) and their widest KV (the
+    # longest prompt), so no capture falls inside the timed wall time
+    warm_len = max(len(engine.encode(t)) for t in texts)
     vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
-    for i in range(cfg.warmup):
-        ids = torch.randint(vocab, (warm_len,), generator=torch.Generator().manual_seed(i)).tolist()
-        # (a seed no prompt has: requests sharing a seed share their uniforms, see the README)
-        engine.generate([ids], dataclasses.replace(params[0], ignore_eos=True, seed=sampling.seed - 1 - i))
+    most = min(batch_size, len(prompts))
+    sizes = warmup_batch_sizes(batch_size, len(prompts)) if engine.runner.graphs is not None else [most]
+    n = 0  # warm-up requests so far
+    for _ in range(cfg.warmup):
+        for size in sizes:
+            ids = [torch.randint(vocab, (warm_len,), generator=torch.Generator().manual_seed(n + j)).tolist()
+                   for j in range(size)]
+            # (seeds no prompt has: requests sharing a seed share their uniforms, see the README)
+            engine.generate(ids, [dataclasses.replace(params[0], ignore_eos=True, seed=sampling.seed - 1 - n - j)
+                                  for j in range(size)])
+            n += size
     rows = []
     for batch, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False)):
         chunk = slice(start, start + batch_size)
@@ -140,6 +153,17 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                          "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
                          "token_ids": out.token_ids, "step_records": out.steps})
     return rows
+
+
+def warmup_batch_sizes(batch_size: int, num_prompts: int) -> list[int]:
+    """The warm-up's batches: one per CUDA-graph batch size (``capture_sizes``) that a timed batch
+    of at most ``min(batch_size, num_prompts)`` requests can be padded to, smallest first."""
+    most, sizes = min(batch_size, num_prompts), []
+    for size in capture_sizes(batch_size):
+        sizes.append(min(size, most))
+        if size >= most:
+            return sizes
+    return sizes
 
 
 def batch_seconds(rows: list[dict]) -> float:

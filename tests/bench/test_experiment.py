@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import acceptance_by_depth, summarize
+from specflow.bench.experiment import (ExperimentConfig, SamplingConfig, acceptance_by_depth, run_pipeline,
+                                       summarize, warmup_batch_sizes)
 from specflow.bench.prompts import load_suite
 from specflow.bench.experiment import PipelineConfig
 from specflow.bench.sweep import grid_pipelines, parse_grid
 from specflow.cli import main
 from specflow.config import ConfigError
+from specflow.engine import SpecEngine
 from specflow.models.random import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -410,3 +412,48 @@ def test_a_git_that_times_out_leaves_git_dirty_unknown(monkeypatch):
 
     monkeypatch.setattr(experiment.subprocess, "run", slow_status)
     assert experiment.git_dirty() is None
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "self"])
+def test_warmup_meets_every_graph_shape_of_the_timed_batches(tiny_target, monkeypatch, drafter):
+    """CUDA graphs are captured lazily, the first time a shape is met, and every run has a fresh
+    engine: a shape that only the timed batches meet puts its capture inside the timed wall time
+    (more shapes, so more captures, for a speculative engine than for the baseline). The warm-up
+    must meet every batch size the timed batches run at (here a batch of 3, padded to 4, and 1)."""
+    from specflow.runtime import beam, cuda_graph
+    from tests.runtime import graph_emulator
+
+    graph_emulator.install(monkeypatch)
+    timed, captures = [False], []
+    record = cuda_graph.record
+
+    def counting(run, pool):
+        captures.append(timed[0])
+        return record(run, pool)
+
+    monkeypatch.setattr(cuda_graph, "record", counting)
+    monkeypatch.setattr(beam, "record", counting)
+    node = {None: None, "ngram": {"type": "ngram", "max_window": 3},
+            "self": {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 4096}}[drafter]
+    tree = {"type": "chain", "depth": 3} if drafter else None
+    engine = SpecEngine(tiny_target, node, tree, {"type": "greedy"} if drafter else None, device="cpu",
+                        dtype="float32", cuda_graphs=True, max_batch_size=3, kv_cache_tokens=4096)
+    generate = engine.generate
+
+    def marked(prompts, params):
+        timed[0] = isinstance(prompts[0], str)  # the warm-up sends token ids, the suite text
+        return generate(prompts, params)
+
+    engine.generate = marked
+    cfg = ExperimentConfig(batch_size=3, sampling=SamplingConfig(max_tokens=6, ignore_eos=True))
+    prompts = load_suite("builtin", ["code"])  # 4 prompts: a batch of 3 (graphs of 4), then 1
+    rows = run_pipeline(engine, prompts, cfg, "x")
+    assert [r["batch"] for r in rows] == [0, 0, 0, 1]
+    assert captures and not any(captures), f"{sum(captures)} of {len(captures)} captures fell in the timed batches"
+
+
+def test_warmup_batch_sizes_climb_the_graph_ladder_to_the_largest_batch():
+    assert warmup_batch_sizes(1, 10) == [1]
+    assert warmup_batch_sizes(8, 100) == [1, 2, 4, 8]
+    assert warmup_batch_sizes(8, 3) == [1, 2, 3]            # (a batch of 3 replays the graphs of 4)
+    assert warmup_batch_sizes(40, 100) == [1, 2, 4, 8, 16, 32, 40]
