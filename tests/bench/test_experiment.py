@@ -118,6 +118,21 @@ def test_tokens_per_s_counts_each_batch_once():
     assert math == {"prompts": 1, "tokens": 10, "accept_length": 2.0, "matches_baseline": 1.0}
 
 
+def test_speedup_mean_per_prompt_is_spec_bench_s_ratio_of_mean_per_prompt_tokens_per_s():
+    """``speedup`` is total tokens over total time, each side; Spec-Bench divides the mean of the
+    per-prompt tokens/s instead, which weighs a short, fast prompt as much as a long one."""
+    def rows(seconds: tuple[float, float]) -> list[dict]:  # one prompt a batch
+        return [{"id": str(i), "category": "code", "batch": i, "seconds": seconds[i], "tokens": 10, "steps": 5,
+                 "step_tokens": 10, "accept_lengths": [2] * 5, "token_ids": [i] * 10} for i in range(2)]
+
+    summary = summarize(rows((1.0, 4.0)), rows((2.0, 5.0)))
+    assert summary["speedup"] == pytest.approx((20 / 5) / (20 / 7))
+    assert summary["speedup_mean_per_prompt"] == pytest.approx(((10 + 2.5) / 2) / ((5 + 2) / 2))
+    assert summary["categories"]["code"]["speedup_mean_per_prompt"] == summary["speedup_mean_per_prompt"]
+    batched = [dict(r, batch=0) for r in rows((4.0, 4.0))]  # a batch's prompts share its time: no per-prompt time
+    assert "speedup_mean_per_prompt" not in summarize(batched, [dict(r, batch=0) for r in rows((5.0, 5.0))])
+
+
 def test_warmup_never_shows_a_drafter_a_suite_prompt(tmp_path, tiny_target):
     """A drafter that learns across requests (a global n-gram trie) must not have seen a timed
     prompt's continuation in the warm-up: warming up changes no accept length."""
