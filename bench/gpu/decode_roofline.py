@@ -39,11 +39,13 @@ def copy_bandwidth_gb_s(device: torch.device, nbytes: int, iters: int) -> float:
 
 def decode_bytes(model, mean_context: float) -> tuple[int, int]:
     """(weight bytes, K/V bytes) one decode step reads: every parameter but the embedding table
-    (one row of it) and ``mean_context`` tokens of K and V in every layer."""
+    (one row of it; all of it when it is the LM head's too) and ``mean_context`` tokens of K and V
+    in every layer."""
     cfg = model.config
     embed = model.embed_tokens.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (a tied table once)
+    if model.lm_head.weight is not embed:  # an embedding table of its own: one row of it is read
+        weights -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * embed.element_size()
     return weights, int(kv_per_token * mean_context)
 

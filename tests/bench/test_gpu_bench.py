@@ -135,3 +135,20 @@ def test_decode_roofline_times_the_captured_decode_graph(tmp_path, monkeypatch):
 def test_decode_graph_key(backend_key, kv_len, expected):
     assert script("decode_roofline").decode_graph((1, 1, (), (), backend_key), kv_len) is expected
     assert not script("decode_roofline").decode_graph((2, 1, (), (), backend_key), kv_len)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_bytes_reads_one_embedding_row_and_the_whole_lm_head(tied):
+    """A decode step reads one row of the embedding table and all of the LM head; a tied model's
+    one table is both, so all of it is read once."""
+    from specflow.models import LlamaForCausalLM
+
+    cfg = ModelConfig(**{**gpu.TINY, "tie_word_embeddings": tied})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    v, h = cfg.vocab_size, cfg.hidden_size
+    body = sum(p.numel() for name, p in model.named_parameters()
+               if "embed_tokens" not in name and "lm_head" not in name)
+    weights, kv = script("decode_roofline").decode_bytes(model, mean_context=10.5)
+    assert weights == 4 * (body + v * h + (0 if tied else h))   # float32: LM head, + one embedding row untied
+    assert kv == int(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 10.5)
