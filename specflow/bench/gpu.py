@@ -136,6 +136,29 @@ def step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, devi
     return ms, tokens_per_step(out)
 
 
+def steady_step_ms(engine: SpecEngine, prompt: list[int], iters: int, warmup: int, device: torch.device,
+                   max_tokens_per_step: int = 1) -> float:
+    """Mean milliseconds of ``engine.step()`` on one running request over ``iters`` steps run back
+    to back (after ``warmup``), the device drained before and after the block only: a step's cost
+    inside a running generation, where plain decoding launches each forward while the last one
+    runs and so hides its host work (``step_ms`` starts every step on an idle GPU, which adds that
+    host work to a decode step; a speculative step, which reads its verdict, hides little)."""
+    params = SamplingParams(temperature=0.0, max_tokens=(iters + warmup + 4) * max_tokens_per_step, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    for _ in range(1 + warmup):  # prefill (+ the first step), then warm-up steps
+        engine.step()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        engine.step()
+    synchronize(device)
+    ms = (time.perf_counter() - t0) * 1e3 / iters
+    out = engine.snapshot([rid])
+    engine.abort(rid)
+    assert len(out[0].accept_lengths) >= iters + warmup, "the request did not run every step (KV pool too small?)"
+    return ms
+
+
 def profile_steps(engine: SpecEngine, prompt: list[int], device: torch.device, path: Path, steps: int = 5,
                   max_tokens_per_step: int = 1) -> None:
     """torch.profiler over ``steps`` engine steps of one running request (after two warm-up steps):

@@ -66,9 +66,27 @@ def test_spec_step(tmp_path, graphs):
     assert "5 engine steps, by self CPU time" in (tmp_path / "spec_step.profile.txt").read_text()
     assert r["tree"] == {"type": "eagle2", "topk": 8, "depth": 5, "num_draft_tokens": 64}
     assert positive(r["decode_step_ms"], r["spec_step_ms"], r["spec_step_ratio"], r["spec_step_tokens_per_step"])
+    assert positive(r["steady_step_ms"]["decode"], r["steady_step_ms"]["spec"], r["spec_step_ratio_steady"])
+    assert r["spec_step_ratio_steady"] == pytest.approx(r["steady_step_ms"]["spec"] / r["steady_step_ms"]["decode"])
     assert [row["batch_size"] for row in r["throughput"]] == r["shapes"]["batch_sizes"]
     for row in r["throughput"]:
         assert positive(row["plain_tok_s"], row["spec_tok_s"]) and row["spec_tokens_per_step"] >= 1
+
+
+def test_steady_step_ms_drains_the_device_around_the_block_only(monkeypatch):
+    """Plain decoding launches a step's forward before it lands the last one, so a step timed from
+    an idle device (``step_ms``) adds the launch's host work that a running decode hides: the
+    steady timing runs its steps back to back, draining the device before and after them only."""
+    from specflow.engine import SpecEngine
+
+    events = []
+    monkeypatch.setattr(gpu, "synchronize", lambda device: events.append("sync"))
+    model = gpu.random_llama(gpu.llama_config(True), torch.device("cpu"), torch.float32)
+    engine = SpecEngine(model, verifier={"type": "greedy"}, kv_cache_tokens=256, max_batch_size=1)
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: events.append("step") or step())
+    assert positive(gpu.steady_step_ms(engine, [5] * 8, iters=4, warmup=2, device=torch.device("cpu")))
+    assert events == ["step"] * 3 + ["sync"] + ["step"] * 4 + ["sync"]
 
 
 def test_tiny_family(tmp_path):
