@@ -359,6 +359,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
             if p is None or p.name not in errors:
                 run(p, last=False)
     run(None, last=True)  # the last round writes the results pipeline by pipeline
+    baseline_seconds = [batch_seconds(r) for r in runs["baseline"]]  # (before fastest() sets the last run's)
     baseline = fastest(runs["baseline"])
     results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
                "torch_version": torch.__version__, "git_commit": git_commit(),
@@ -366,7 +367,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "repeats": cfg.repeats, "sampling": dataclasses.asdict(cfg.sampling),
                "pipelines": {"baseline": summarize(baseline, None)}}
-    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": [batch_seconds(r) for r in runs["baseline"]]}
+    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": baseline_seconds}
     record("baseline", baseline)
     save()
     for p in pipelines:
@@ -374,9 +375,10 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
         if engine is None:
             results["pipelines"][p.name] = {"error": errors[p.name]}
         else:
+            run_seconds = [batch_seconds(r) for r in runs[p.name]]  # (before fastest() sets the last run's)
             rows = fastest(runs[p.name])
             results["pipelines"][p.name] = summarize(rows, baseline) | {
-                "lossless": engine.verifier.lossless, "run_seconds": [batch_seconds(r) for r in runs[p.name]],
+                "lossless": engine.verifier.lossless, "run_seconds": run_seconds,
                 "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)
         save()

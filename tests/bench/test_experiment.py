@@ -183,6 +183,33 @@ def test_repeats_time_fresh_engines_in_rounds_and_keep_each_batch_fastest_run(tm
     assert "best of 3 runs" in (tmp_path / "runs" / "tiny" / "results.md").read_text()
 
 
+def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch):
+    """``run_seconds`` lists every run's own wall time; tokens/s takes each batch's fastest run,
+    a composite that must not replace the last run's entry."""
+    import specflow.bench.experiment as experiment
+
+    # batch seconds of the runs in order: baseline, pipeline (round 1), baseline, pipeline (round 2)
+    times = iter([(1.0, 4.0), (2.0, 2.0), (3.0, 2.0), (1.0, 3.0)])
+
+    def timed_rows(engine, prompts, cfg, name):
+        t = next(times)
+        return [{"id": p.id, "category": p.category, "batch": i, "seconds": t[i], "tokens": 4, "steps": 3,
+                 "step_tokens": 3, "accept_lengths": [1] * 3, "token_ids": [0] * 4, "step_records": []}
+                for i, p in enumerate(prompts)]
+
+    monkeypatch.setattr(experiment, "run_pipeline", timed_rows)
+    path = write_config(tmp_path, tiny_target, """
+  - name: p
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    assert main(["run", str(path), "repeats=2"]) == 0
+    results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())["pipelines"]
+    assert results["baseline"]["run_seconds"] == [5.0, 5.0] and results["p"]["run_seconds"] == [4.0, 4.0]
+    assert results["baseline"]["tokens_per_s"] == pytest.approx(8 / (1.0 + 2.0))   # each batch's fastest
+    assert results["p"]["tokens_per_s"] == pytest.approx(8 / (1.0 + 2.0))
+
+
 def test_repeats_hold_one_run_of_step_records_at_a_time(tmp_path, tiny_target, monkeypatch):
     """With engine.record_steps and repeats, a run's step records (the trees of a whole suite)
     are written and dropped before the next run starts: rounds of every pipeline do not hold
