@@ -4,10 +4,12 @@
     .venv/bin/python bench/serve_load.py                     # configs/serve.yaml (the shipped tiny-code)
     .venv/bin/python bench/serve_load.py --target random engine.spec_max_batch_size=16
 
-It starts the server itself on a free loopback port and stops it at the end. Both modes run on
-the same server: "plain" requests send ``"speculative": false``. Every level sends a fixed number
-of requests with ``ignore_eos`` at temperature 0 (identical work in both modes), and the whole
-run is bounded by ``--timeout``.
+It starts two servers on free loopback ports and stops them at the end: the config's, and the same
+config with ``engine.drafter=null`` for "plain", the engine's real plain decoding (overlapped one
+step ahead; a ``"speculative": false`` request on a server with a drafter still takes speculative
+steps, of root-only trees, and keeps its drafter fed). The modes alternate level by level. Every
+level sends a fixed number of requests with ``ignore_eos`` at temperature 0 (identical work in
+both modes), and the whole run is bounded by ``--timeout``.
 
 By default the pipeline of configs/serve.yaml (n-gram drafts, EAGLE-2 tree, rejection sampling)
 serves its own target, the shipped zoo/tiny-code model; ``--target random`` writes a
@@ -42,10 +44,10 @@ PROMPTS = [
 ]
 
 
-def bench_config(config: Path, target: str | None, overrides: list[str], workdir: Path) -> Path:
+def bench_config(config: Path, target: str | None, overrides: list[str], workdir: Path) -> tuple[Path, Path]:
     """``config`` with the overrides applied and its target replaced (``random``: a fresh
     random-weight checkpoint; None: the config's own, a relative path read from the repository
-    root as the shipped configs are), written to ``workdir``."""
+    root as the shipped configs are), and the same without a drafter, written to ``workdir``."""
     from specflow.models.random import make_random_checkpoint
 
     cfg = OmegaConf.load(config)
@@ -55,9 +57,10 @@ def bench_config(config: Path, target: str | None, overrides: list[str], workdir
         target = str(Path(__file__).parents[1] / cfg.engine.target)  # (an absolute target stays as it is)
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(
         [f"engine.target={target}", "engine.spec_max_batch_size=null", *overrides]))
-    path = workdir / "serve.yaml"
-    OmegaConf.save(cfg, path)
-    return path
+    paths = workdir / "serve.yaml", workdir / "serve_plain.yaml"
+    OmegaConf.save(cfg, paths[0])
+    OmegaConf.save(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["engine.drafter=null"])), paths[1])
+    return paths
 
 
 def start_server(config: Path, threads: int, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
@@ -82,7 +85,7 @@ def start_server(config: Path, threads: int, log: Path, timeout: float) -> tuple
 
 
 async def run_level(client: openai.AsyncOpenAI, model: str, concurrency: int, num_requests: int,
-                    max_tokens: int, speculative: bool) -> dict:
+                    max_tokens: int, mode: str) -> dict:
     """``num_requests`` requests, at most ``concurrency`` in flight; latency is per request."""
     gate = asyncio.Semaphore(concurrency)
     latencies, tokens, steps = [], 0, 0
@@ -93,7 +96,7 @@ async def run_level(client: openai.AsyncOpenAI, model: str, concurrency: int, nu
             t0 = time.perf_counter()
             out = await client.completions.create(
                 model=model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, temperature=0.0,
-                extra_body={"ignore_eos": True, "speculative": speculative})
+                extra_body={"ignore_eos": True})
             latencies.append(time.perf_counter() - t0)
             tokens += out.usage.completion_tokens
             steps += out.usage.model_extra["accept_length"]["steps"]
@@ -102,21 +105,23 @@ async def run_level(client: openai.AsyncOpenAI, model: str, concurrency: int, nu
     await asyncio.gather(*(one(i) for i in range(num_requests)))
     wall = time.perf_counter() - t0
     q = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {"mode": "speculative" if speculative else "plain", "concurrency": concurrency,
+    return {"mode": mode, "concurrency": concurrency,
             "requests": num_requests, "tokens": tokens, "tokens_per_s": tokens / wall,
             "requests_per_s": num_requests / wall, "p50_s": q[49], "p99_s": q[98],
             "accept_length": (tokens - num_requests) / max(1, steps)}   # the first token comes from prefill
 
 
-async def run(url: str, model: str, args: argparse.Namespace) -> list[dict]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+async def run(urls: dict[str, str], model: str, args: argparse.Namespace) -> list[dict]:
+    """Every level on each server (mode -> its url), one after the other."""
+    clients = {mode: openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+               for mode, url in urls.items()}
     rows = []
-    for speculative in (True, False):
-        await run_level(client, model, 1, 2, args.max_tokens, speculative)   # warm-up
+    for mode, client in clients.items():
+        await run_level(client, model, 1, 2, args.max_tokens, mode)   # warm-up
     for concurrency in args.concurrency:
-        for speculative in (True, False):
+        for mode, client in clients.items():
             rows.append(await run_level(client, model, concurrency, max(args.requests, concurrency),
-                                        args.max_tokens, speculative))
+                                        args.max_tokens, mode))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -140,19 +145,22 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
-        config = bench_config(args.config, args.target, args.overrides, Path(tmp))
-        proc, url = start_server(config, args.threads, Path(tmp) / "server.log", args.timeout)
+        config, plain = bench_config(args.config, args.target, args.overrides, Path(tmp))
+        servers = {}  # mode -> (process, url)
         try:
-            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            for mode, path in (("speculative", config), ("plain", plain)):
+                servers[mode] = start_server(path, args.threads, Path(tmp) / f"{mode}.log", args.timeout)
+            model = httpx.get(servers["plain"][1] + "/v1/models").json()["data"][0]["id"]
             engine = OmegaConf.load(config).engine
             print(f"server: {args.config} on {engine.target}: drafter {dict(engine.drafter)}, tree {dict(engine.tree)}, "
                   f"spec_max_batch_size {engine.spec_max_batch_size}; {args.max_tokens} new tokens per request")
             print(f"{'mode':<12}{'conc':>5}{'reqs':>6}{'tokens':>8}{'tok/s':>10}{'req/s':>8}{'p50 s':>9}"
                   f"{'p99 s':>9}{'accept':>8}")
-            asyncio.run(asyncio.wait_for(run(url, model, args), args.timeout))
+            asyncio.run(asyncio.wait_for(run({m: url for m, (_, url) in servers.items()}, model, args), args.timeout))
         finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+            for proc, _ in servers.values():
+                proc.send_signal(signal.SIGINT)
+                proc.wait(60)
 
 
 if __name__ == "__main__":
