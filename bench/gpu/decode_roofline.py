@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import StaticCache
 
 from specflow.bench import gpu
 from specflow.engine import SpecEngine
@@ -97,11 +98,16 @@ def run(args) -> dict:
 
     eager = {"disable_compile": True} if args.hf_eager else {}  # GenerationConfig.disable_compile (recent transformers)
 
+    # one static cache for every call: generate's own (cache_implementation="static") is a new one
+    # per call, whose new addresses make the compiled forward record its CUDA graph again
+    hf_cache = StaticCache(config=hf.config, max_cache_len=s["prompt_len"] + s["new_tokens"] + 1)
+
     def theirs(n: int):
         def call():
-            with torch.inference_mode():
+            with torch.inference_mode():  # (its tensors are inference tensors: reset in the mode too)
+                hf_cache.reset()
                 hf.generate(hf_prompt, attention_mask=torch.ones_like(hf_prompt), do_sample=False,
-                            max_new_tokens=n, min_new_tokens=n, cache_implementation="static",
+                            max_new_tokens=n, min_new_tokens=n, past_key_values=hf_cache,
                             pad_token_id=0, **eager)
         return call
 

@@ -47,6 +47,7 @@ def test_decode_roofline(tmp_path, graphs):
     assert positive(r["decode_tok_s"], r["hf_static_tok_s"], r["copy_bandwidth_gb_s"], r["roofline_tok_s"],
                     r["decode_vs_roofline"], r["weight_bytes_per_token"], r["mean_kv_bytes_per_token"])
     assert r["decode_vs_roofline"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+    assert r["hf_compile_error"] is None  # (no auto-compile on a CPU: an error here is the bench's own)
     assert {"roofline", "engine_step", "runner_forward", "engine_outside_forward"} <= r["step_ms"].keys()
     assert positive(r["step_ms"]["engine_step"], r["step_ms"]["runner_forward"])
 
