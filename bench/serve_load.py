@@ -116,8 +116,9 @@ async def run(urls: dict[str, str], model: str, args: argparse.Namespace) -> lis
     clients = {mode: openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
                for mode, url in urls.items()}
     rows = []
-    for mode, client in clients.items():
-        await run_level(client, model, 1, 2, args.max_tokens, mode)   # warm-up
+    for concurrency in args.concurrency:  # warm-up: every batch size a level reaches (CUDA graphs)
+        for mode, client in clients.items():
+            await run_level(client, model, concurrency, max(2, concurrency), args.max_tokens, mode)
     for concurrency in args.concurrency:
         for mode, client in clients.items():
             rows.append(await run_level(client, model, concurrency, max(args.requests, concurrency),
