@@ -174,7 +174,7 @@ def batch_seconds(rows: list[dict]) -> float:
 def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
     """Accept length, tokens/s, speedup against the baseline rows (total tokens over total time,
     each side; with one prompt a batch also ``speedup_mean_per_prompt``, Spec-Bench's mean of
-    per-prompt tokens/s over the baseline's), latency percentiles, and the
+    per-prompt tokens/s over the baseline's), latency percentiles (of the rows' batch seconds), and the
     share of prompts whose tokens match the baseline's, per category. Prompts are seeded, so a
     sampled run matches too where its verifier follows the target's own draws (greedy; rejection
     over top-k drafts); other sampled runs are exact in distribution, not token for token.
