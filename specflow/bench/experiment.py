@@ -31,6 +31,9 @@ class PromptsConfig:
     categories: list[str] | None = None
     per_category: int | None = None
     chat_template: bool = False            # wrap prompts with the tokenizer's chat template
+    # turns of each question (Spec-Bench runs MT-bench's 2): turn t is the chat so far, with this
+    # pipeline's own answers, then the question's next user turn; beyond 1 it needs chat_template
+    turns: int = 1
 
 
 @dataclass
@@ -77,7 +80,7 @@ class ExperimentConfig:
     output_dir: str = "runs"
 
 
-ROW_KEYS = ("id", "category", "tokens", "steps", "accept_lengths", "seconds", "batch")  # rows.jsonl
+ROW_KEYS = ("id", "category", "turn", "tokens", "steps", "accept_lengths", "seconds", "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 
@@ -96,6 +99,9 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     names = [p.name for p in pipelines]
     if len(set(names)) != len(names) or "baseline" in names:
         raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
+    if cfg.prompts.turns < 1 or (cfg.prompts.turns > 1 and not cfg.prompts.chat_template):
+        raise ConfigError(f"prompts.turns: {cfg.prompts.turns}; at least 1, and a later turn continues a chat, "
+                          "so more than 1 needs prompts.chat_template=true")
     if cfg.batch_size < 1 or cfg.warmup < 0 or cfg.repeats < 1:
         raise ConfigError(f"batch_size and repeats must be >= 1 and warmup >= 0, got {cfg.batch_size}, "
                           f"{cfg.repeats} and {cfg.warmup}")
@@ -116,42 +122,63 @@ def sampling_params(sampling: SamplingConfig, i: int) -> SamplingParams:
 
 
 def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:
-    """Warm up, then generate every prompt (``cfg.batch_size`` at a time); one row per prompt with
-    its batch's index and wall time (and its StepRecords when the engine records them)."""
+    """Warm up, then generate every prompt (``cfg.batch_size`` at a time), turn by turn; one row per
+    prompt and turn with its batch's index and wall time (and its StepRecords when the engine
+    records them). A later turn's prompt is the chat so far, with this engine's own answers."""
     sampling, batch_size = cfg.sampling, cfg.batch_size
-    texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                                   add_generation_prompt=True) if cfg.prompts.chat_template else p.text
-             for p in prompts]
-    params = [sampling_params(sampling, i) for i in range(len(prompts))]
+    turns = [[p.text, *p.later_turns][: cfg.prompts.turns] for p in prompts]
+    chats = [[{"role": "user", "content": t[0]}] for t in turns]  # each question's messages so far
+
+    def render(chat: list[dict]) -> str:
+        if not cfg.prompts.chat_template:  # (one turn)
+            return chat[-1]["content"]
+        return engine.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
     # CUDA graphs are captured the first time a shape is met, on this fresh engine: the warm-up
     # meets the timed batches' batch sizes (with graphs, every padded size up to the largest
     # batch, which requests finishing at different steps pass through) and their widest KV (the
-    # longest prompt), so no capture falls inside the timed wall time
-    warm_len = max(len(engine.encode(t)) for t in texts)
+    # longest prompt; a later turn's, with the answers before it, is as long as its turns and
+    # their max_tokens at most), so no capture falls inside the timed wall time
+    warm_len = max(len(engine.encode(render(chat))) + sum(len(engine.encode(text)) for text in t[1:])
+                   + (len(t) - 1) * sampling.max_tokens for chat, t in zip(chats, turns))
     vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
     most = min(batch_size, len(prompts))
     sizes = warmup_batch_sizes(batch_size, len(prompts)) if engine.runner.graphs is not None else [most]
+    first = sampling_params(sampling, 0)
     n = 0  # warm-up requests so far
     for _ in range(cfg.warmup):
         for size in sizes:
             ids = [torch.randint(vocab, (warm_len,), generator=torch.Generator().manual_seed(n + j)).tolist()
                    for j in range(size)]
             # (seeds no prompt has: requests sharing a seed share their uniforms, see the README)
-            engine.generate(ids, [dataclasses.replace(params[0], ignore_eos=True, seed=sampling.seed - 1 - n - j)
+            engine.generate(ids, [dataclasses.replace(first, ignore_eos=True, seed=sampling.seed - 1 - n - j)
                                   for j in range(size)])
             n += size
-    rows = []
-    for batch, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False)):
-        chunk = slice(start, start + batch_size)
-        t0 = time.perf_counter()
-        outs = engine.generate(texts[chunk], params[chunk])
-        engine.synchronize()  # (plain decoding may leave a forward queued)
-        seconds = time.perf_counter() - t0
-        for p, out in zip(prompts[chunk], outs):
-            rows.append({"id": p.id, "category": p.category, "batch": batch, "seconds": seconds,
-                         "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
-                         "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
-                         "token_ids": out.token_ids, "step_records": out.steps})
+    rows, batch = [], 0
+    with tqdm(total=sum(map(len, turns)), desc=desc, unit="prompt", leave=False) as bar:
+        for turn in range(cfg.prompts.turns):
+            live = [i for i, t in enumerate(turns) if len(t) > turn]  # questions with this turn
+            texts = [render(chats[i]) for i in live]
+            # prompt i's seed in the first turn, then seeds no earlier turn had
+            params = [sampling_params(sampling, i + turn * len(prompts)) for i in live]
+            for start in range(0, len(live), batch_size):
+                chunk = slice(start, start + batch_size)
+                t0 = time.perf_counter()
+                outs = engine.generate(texts[chunk], params[chunk])
+                engine.synchronize()  # (plain decoding may leave a forward queued)
+                seconds = time.perf_counter() - t0
+                for i, out in zip(live[chunk], outs):
+                    p = prompts[i]
+                    rows.append({"id": p.id if turn == 0 else f"{p.id}/{turn + 1}", "category": p.category,
+                                 "turn": turn + 1, "batch": batch, "seconds": seconds,
+                                 "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
+                                 "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
+                                 "token_ids": out.token_ids, "step_records": out.steps})
+                    if turn + 1 < len(turns[i]):
+                        chats[i] += [{"role": "assistant", "content": out.text},
+                                     {"role": "user", "content": turns[i][turn + 1]}]
+                batch += 1
+                bar.update(len(outs))
     return rows
 
 

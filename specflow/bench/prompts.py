@@ -12,7 +12,8 @@ from pathlib import Path
 class Prompt:
     id: str
     category: str
-    text: str
+    text: str                          # the first turn
+    later_turns: tuple[str, ...] = ()  # a multi-turn question's next user turns (MT-bench's second)
 
 
 # Small on purpose: each category probes a different kind of predictability for drafters.
@@ -47,7 +48,7 @@ def builtin_suite() -> list[Prompt]:
 
 
 def load_question_jsonl(path: str | Path) -> list[Prompt]:
-    """Spec-Bench / MT-bench ``question.jsonl``: ``question_id``, ``category``, ``turns`` (first turn used)."""
+    """Spec-Bench / MT-bench ``question.jsonl``: ``question_id``, ``category``, ``turns``."""
     prompts = []
     for n, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
@@ -55,7 +56,8 @@ def load_question_jsonl(path: str | Path) -> list[Prompt]:
         row = json.loads(line)
         if "turns" not in row or not row["turns"]:
             raise ValueError(f"{path}:{n + 1}: a question needs a non-empty 'turns' list")
-        prompts.append(Prompt(str(row.get("question_id", n)), row.get("category", "default"), row["turns"][0]))
+        prompts.append(Prompt(str(row.get("question_id", n)), row.get("category", "default"), row["turns"][0],
+                              tuple(row["turns"][1:])))
     return prompts
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import (ExperimentConfig, SamplingConfig, acceptance_by_depth, run_pipeline,
-                                       summarize, warmup_batch_sizes)
+from specflow.bench.experiment import (ExperimentConfig, SamplingConfig, acceptance_by_depth, load_experiment,
+                                       run_pipeline, sampling_params, summarize, warmup_batch_sizes)
 from specflow.bench.prompts import load_suite
 from specflow.bench.experiment import PipelineConfig
 from specflow.bench.sweep import grid_pipelines, parse_grid
@@ -78,7 +78,7 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     rows = read_jsonl(out / "rows.jsonl")
     assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
                                                           for b in (0, 1)]
-    assert set(rows[0]) == {"pipeline", "id", "category", "tokens", "steps", "accept_lengths", "seconds", "batch"}
+    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "steps", "accept_lengths", "seconds", "batch"}
     steps = read_jsonl(out / "steps.jsonl")
     for r in rows:
         mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
@@ -193,7 +193,7 @@ def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch
 
     def timed_rows(engine, prompts, cfg, name):
         t = next(times)
-        return [{"id": p.id, "category": p.category, "batch": i, "seconds": t[i], "tokens": 4, "steps": 3,
+        return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "tokens": 4, "steps": 3,
                  "step_tokens": 3, "accept_lengths": [1] * 3, "token_ids": [0] * 4, "step_records": []}
                 for i, p in enumerate(prompts)]
 
@@ -499,3 +499,50 @@ def test_warmup_batch_sizes_climb_the_graph_ladder_to_the_largest_batch():
     assert warmup_batch_sizes(8, 100) == [1, 2, 4, 8]
     assert warmup_batch_sizes(8, 3) == [1, 2, 3]            # (a batch of 3 replays the graphs of 4)
     assert warmup_batch_sizes(40, 100) == [1, 2, 4, 8, 16, 32, 40]
+
+
+ZOO_TARGET = ROOT / "zoo" / "tiny-code" / "target"  # (its tokenizer has a chat template)
+
+
+def test_later_turns_continue_each_engine_s_own_chat(tmp_path):
+    """MT-bench's second turns (Spec-Bench runs both): a later turn's prompt is the chat so far in
+    the target's chat template, with the answer this engine gave, then the question's next turn;
+    a question with fewer turns runs what it has. Rows are per prompt and turn."""
+    suite = tmp_path / "question.jsonl"
+    suite.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["def add(a, b):", "Now in C."]})
+                     + "\n" + json.dumps({"question_id": 8, "category": "qa", "turns": ["import os"]}) + "\n")
+    prompts = load_suite(str(suite))
+    assert [p.later_turns for p in prompts] == [("Now in C.",), ()]
+    cfg = ExperimentConfig(batch_size=2, sampling=SamplingConfig(max_tokens=6, ignore_eos=True))
+    cfg.prompts.chat_template, cfg.prompts.turns = True, 2
+    ngram = {"type": "ngram", "max_window": 3}
+    engines = [SpecEngine(ZOO_TARGET, drafter, {"type": "chain", "depth": 3} if drafter else None,
+                          {"type": "greedy"} if drafter else None, device="cpu", dtype="float32", max_batch_size=2)
+               for drafter in (None, ngram)]
+    sent = []  # the baseline's timed prompts (the warm-up sends token ids)
+    generate = engines[0].generate
+    engines[0].generate = lambda ps, params: sent.extend(p for p in ps if isinstance(p, str)) or generate(ps, params)
+    baseline, pld = (run_pipeline(e, prompts, cfg, "x") for e in engines)
+    assert [(r["id"], r["turn"], r["batch"]) for r in baseline] == [("7", 1, 0), ("8", 1, 0), ("7/2", 2, 1)]
+    assert [r["token_ids"] for r in pld] == [r["token_ids"] for r in baseline]  # greedy: lossless in both turns
+    plain = engines[0]
+    answer = plain.decode(baseline[0]["token_ids"])
+    chat = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Now in C."}]
+    second = plain.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert answer and sent[2] == second
+    seed_of_turn_2 = sampling_params(cfg.sampling, 0 + 1 * len(prompts))  # prompt 0, after a turn of 2 prompts
+    assert plain.generate([second], seed_of_turn_2)[0].token_ids == baseline[2]["token_ids"]
+
+
+def test_later_turns_need_the_chat_template(tmp_path, tiny_target):
+    path = write_config(tmp_path, tiny_target, """
+  - name: pld
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    with pytest.raises(ConfigError, match="prompts.turns.*chat_template=true"):
+        load_experiment(path, ["prompts.turns=2"])
+    with pytest.raises(ConfigError, match="prompts.turns: 0"):
+        load_experiment(path, ["prompts.turns=0"])
+    assert load_experiment(path, ["prompts.turns=2", "prompts.chat_template=true"])[0].prompts.turns == 2
