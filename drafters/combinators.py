@@ -19,14 +19,26 @@ from specflow.registry import DRAFTERS
 from specflow.tree import Expansion, Frontier, Verdict
 
 
+def _needs_children(kind: str, drafters: list[Any]) -> None:
+    if not drafters:
+        raise ValueError(f"{kind} drafter needs at least one drafter in `drafters`, "
+                         f"e.g. drafters: [{{type: ngram}}, {{type: ngram, scope: global}}]")
+
+
 @dataclass
 class UnionConfig:
     drafters: list[Any] = field(default_factory=list)  # drafter nodes, e.g. [{type: ngram}, {type: eagle, path: ...}]
+
+    def __post_init__(self):   # (runs when the config is validated: before the target loads)
+        _needs_children("union", self.drafters)
 
 
 @dataclass
 class FallbackConfig:
     drafters: list[Any] = field(default_factory=list)  # drafter nodes, tried in order
+
+    def __post_init__(self):
+        _needs_children("fallback", self.drafters)
 
 
 class DrafterGroup:
@@ -38,10 +50,7 @@ class DrafterGroup:
     """
 
     def __init__(self, drafters: list[Drafter]):
-        kind = getattr(type(self), "type_name", "combinator")
-        if not drafters:
-            raise ValueError(f"{kind} drafter needs at least one drafter in `drafters`, "
-                             f"e.g. drafters: [{{type: ngram}}, {{type: ngram, scope: global}}]")
+        _needs_children(getattr(type(self), "type_name", "combinator"), drafters)
         self.drafters = drafters
         self.learns_across_requests = any(getattr(d, "learns_across_requests", False) for d in drafters)
         taps = dict.fromkeys(t for d in drafters for t in d.needs.layer_taps)  # ordered set

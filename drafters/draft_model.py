@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from specflow.config import check_at_least
 from specflow.models import CheckpointError, load_model
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
@@ -21,6 +22,9 @@ class DraftModelConfig:
     path: str = "???"               # any Llama-family HF checkpoint with the target's vocabulary
     kv_cache_tokens: int = 65536    # the draft model's own paged KV pool
     page_size: int = 1
+
+    def __post_init__(self):        # (runs when the config is validated: before the target loads)
+        check_at_least(self, 1, "kv_cache_tokens", "page_size")
 
 
 @DRAFTERS.register("draft_model", config=DraftModelConfig)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specflow.config import check_at_least
 from specflow.models import CheckpointError
 from specflow.models.eagle import EagleHead, load_eagle
 from specflow.protocols import TargetFeatures, TargetNeeds
@@ -34,6 +35,9 @@ class EagleConfig:
     token_map: str | None = None    # FR-Spec hot token ids: a .pt tensor, a .json list or whitespace-separated ids
     kv_cache_tokens: int = 65536    # the head's own paged KV pool
     page_size: int = 1
+
+    def __post_init__(self):        # (runs when the config is validated: before the target loads)
+        check_at_least(self, 1, "kv_cache_tokens", "page_size")
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> Tensor:

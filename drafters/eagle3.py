@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from drafters.eagle import EagleDrafter
+from specflow.config import check_at_least
 from specflow.models.eagle3 import Eagle3Head, load_eagle3
 from specflow.protocols import TargetFeatures, TargetNeeds
 from specflow.registry import DRAFTERS
@@ -22,6 +23,9 @@ class Eagle3Config:
     path: str = "???"               # EAGLE-3 head directory (SafeAILab/EAGLE layout, with d2t / t2d)
     kv_cache_tokens: int = 65536    # the head's own paged KV pool
     page_size: int = 1
+
+    def __post_init__(self):        # (runs when the config is validated: before the target loads)
+        check_at_least(self, 1, "kv_cache_tokens", "page_size")
 
 
 @DRAFTERS.register("eagle3", config=Eagle3Config)

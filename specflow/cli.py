@@ -82,7 +82,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise SystemExit(f"specflow train: error: {e}; install the train extra: pip install 'specflow[train]'") from None
     result = train(load_train_config(args.config, args.overrides))
-    print("\n".join(f"{k}: {v}" for k, v in result.summary.items()))
+    if result.is_global_zero:  # (under DDP every rank returns: one summary, not one per process)
+        print("\n".join(f"{k}: {v}" for k, v in result.summary.items()))
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:

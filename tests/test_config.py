@@ -126,6 +126,14 @@ BAD_PIPELINES = [  # (a pipeline's nodes, what the error names): all found befor
     ({"drafter": {"type": "ngram", "min_window": 0}}, r"pipelines\[p\].drafter \(drafter 'ngram'\): .*min_window must be >= 1"),
     ({"drafter": {"type": "union", "drafters": [{"type": "ngram", "scope": "globl"}]}},
      r"pipelines\[p\].drafter.drafters\[0\] \(drafter 'ngram'\): .*scope must be one of request, global"),
+    ({"drafter": {"type": "draft_model", "path": "no/such/model", "kv_cache_tokens": 0}},
+     r"pipelines\[p\].drafter \(drafter 'draft_model'\): kv_cache_tokens must be >= 1, got 0"),
+    ({"drafter": {"type": "eagle", "path": "no/such/head", "page_size": 0}},
+     r"pipelines\[p\].drafter \(drafter 'eagle'\): page_size must be >= 1, got 0"),
+    ({"drafter": {"type": "eagle3", "path": "no/such/head", "kv_cache_tokens": -1}},
+     r"pipelines\[p\].drafter \(drafter 'eagle3'\): kv_cache_tokens must be >= 1, got -1"),
+    ({"drafter": {"type": "fallback", "drafters": []}},
+     r"pipelines\[p\].drafter \(drafter 'fallback'\): fallback drafter needs at least one drafter"),
 ]
 
 

@@ -52,7 +52,7 @@ def write_build_md(out: Path, record: dict) -> None:
         "# zoo/tiny-code: how it was built",
         "",
         "Rebuild from scratch with `python zoo/build.py` (stages: tokenizer, target, draft, eagle, eagle3,",
-        "medusa, prompts, report; `--stages` runs a subset). Every training stage is `specflow train",
+        "medusa, prompts, eval, report; `--stages` runs a subset). Every training stage is `specflow train",
         "configs/train/<stage>.yaml` with paths pointed here; Lightning uses the GPU when there is one.",
         f"This build: Python {m['python']}, torch {m['torch']}, {m['device']} ({m['platform']}), one torch thread.",
         "",

@@ -24,10 +24,12 @@ from specflow.train.config import RECIPES, TrainConfig
 @dataclass
 class TrainResult:
     """A finished run: its summary (steps, wall time, last logged losses, provenance) and the
-    trained LightningModule (on rank zero, the exported weights are this module's)."""
+    trained LightningModule (on rank zero, the exported weights are this module's).
+    ``is_global_zero``: whether this process is rank zero (under DDP every rank returns one)."""
 
     summary: dict
     module: Any
+    is_global_zero: bool = True
 
 
 def train(run: TrainConfig) -> TrainResult:
@@ -101,7 +103,7 @@ def train(run: TrainConfig) -> TrainResult:
             join_curves(earlier, metrics)
         if metrics.exists():   # absent when nothing was logged (very short runs)
             plot_losses(metrics, log_dir / "loss.png", run.name)
-    return TrainResult(summary, job.module)
+    return TrainResult(summary, job.module, trainer.is_global_zero)
 
 
 class EpochShuffle(RandomSampler):
