@@ -100,9 +100,14 @@ class SpecEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
+        """Build from an EngineConfig (a YAML's ``engine`` section): a bad value names its key
+        from there (``engine.tree: ...``)."""
         # (not dataclasses.asdict: it deep-copies the values, a component already built among them)
         node = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        return cls(node.pop("target"), **node)
+        try:
+            return cls(node.pop("target"), **node)
+        except ConfigError as e:  # (the constructor names keys of its own arguments)
+            raise ConfigError(f"engine.{e}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":

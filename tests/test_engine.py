@@ -1,10 +1,13 @@
 """SpecEngine with plain decoding: equal to transformers, batching-invariant, stop handling, KV pressure."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from specflow import SamplingParams, SpecEngine
+from specflow.config import ConfigError
 from specflow.pipeline import EngineConfig
 from specflow.registry import VERIFIERS
 from specflow.tree import Expansion, Frontier
@@ -13,6 +16,7 @@ from tests.test_chunked_prefill import prefill_sizes
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 77, 23], [9, 31, 7, 120, 56], [200, 4, 4, 4, 13, 250, 11, 2, 90, 91, 92, 300]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +122,18 @@ def test_from_config_uses_components_already_built_as_they_are(tiny_target):
     engine = SpecEngine.from_config(EngineConfig(target=str(tiny_target), drafter={"type": "ngram"},
                                                  verifier=verifier, device="cpu", dtype="float32"))
     assert engine.verifier is verifier
+
+
+@pytest.mark.parametrize("override, message", [
+    ("engine.tree.topk=0", r"^engine\.tree: .*topk must be >= 1"),
+    ("engine.drafter.type=nope", r"^engine\.drafter\.type: unknown drafter type 'nope'"),
+    ("engine.page_size=0", r"^engine\.page_size must be >= 1"),
+])
+def test_a_yaml_s_bad_engine_value_is_named_from_the_file_s_root(override, message):
+    """Errors of an engine built from a YAML name the key as the file has it (engine.tree, ...),
+    as an experiment's name pipelines[name].tree, before the target loads."""
+    with pytest.raises(ConfigError, match=message):
+        SpecEngine.from_yaml(ROOT / "configs" / "serve.yaml", [override, "engine.target=/no/such/target"])
 
 
 def test_abort_frees_pages(engine):
