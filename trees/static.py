@@ -95,7 +95,8 @@ class StaticBuilder:
                  sample: bool = False):
         if (choices is None) == (preset is None):
             raise ValueError("static tree: give exactly one of choices (rank paths) or preset "
-                             f"(one of {', '.join(PRESETS)})")
+                             f"(one of {', '.join(PRESETS)}); an override merges into the node it "
+                             "overrides, so null the key it had (preset: null or choices: null)")
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"static tree: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
         self.sample = sample
