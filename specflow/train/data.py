@@ -142,6 +142,9 @@ def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None,
     if cfg.generated_tokens:
         if target is None:
             raise ConfigError("data.generated_tokens needs a 'target' checkpoint to generate with")
+        # (minutes on a CPU, so say what runs; under DDP every process generates the same data)
+        print(f"generating {cfg.generated_tokens} tokens of {target}'s continuations (data.generated_tokens)",
+              file=sys.stderr, flush=True)
         start = time.time()
         generated = generate_continuations(target, train, cfg, seed)
         info |= {"generated_tokens": len(generated), "generate_s": round(time.time() - start, 1)}
