@@ -53,6 +53,8 @@ class DataConfig:
         check_at_least(self, 1, "max_files", "max_tokens", "generate_prompt_len", "generate_len",
                        "generate_batch_size")
         check_at_least(self, 2, "seq_len", "held_out_every")
+        if self.source != "stdlib" and not Path(self.source).is_dir():  # (when the config loads, not in Lightning)
+            raise ValueError(f"source {self.source!r} is not a directory; use 'stdlib' or a directory of text files")
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,6 @@ class Corpus:
 def load_corpus(cfg: DataConfig) -> Corpus:
     """The files of ``cfg.source``, sorted by name and split by ``held_out_every``."""
     root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
-    if not root.is_dir():
-        raise FileNotFoundError(f"data.source {cfg.source!r} is not a directory; use 'stdlib' or a "
-                                f"directory of text files")
     files = sorted(root.glob(cfg.glob))
     if not files:
         raise FileNotFoundError(f"no files match {cfg.glob!r} under {root}; change data.glob")

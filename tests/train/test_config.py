@@ -56,6 +56,7 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle3", "recipe.unroll=256", r"train.recipe.unroll: .*below data.seq_len \(256\)"),
     ("eagle3", "recipe.taps=[1,2,7]", r"train.recipe.taps: \[1, 2, 7\]: a 4-layer target has layer inputs 0..3"),
     ("eagle", "trainer.max_steps=0", "train.trainer: max_steps must be >= 1, got 0"),
+    ("eagle", "data.source=no/such/dir", "train.data: source 'no/such/dir' is not a directory"),
 ])
 def test_bad_values_fail_when_the_config_loads(config, override, named):
     with pytest.raises(ConfigError, match=named):
