@@ -78,7 +78,7 @@ class RejectionVerifier:
         node = torch.zeros(b, dtype=torch.long, device=dev)                       # [B] last accepted node
         child = first_child[:, 0]                                                 # [B] to try next, -1: done
         p = full = probs[:, 0].double()                                           # [B, V] residual, and p itself
-        q = draft[:, 0].double()                                                  # [B, V]
+        q = _law(draft[:, 0])                                                     # [B, V]
         d = tree.depth_bound()
         path = torch.full((b, d + 2), -1, dtype=torch.long, device=dev)           # [B, D + 2] by depth; D + 1: a sink
         path[:, 0] = 0
@@ -95,12 +95,21 @@ class RejectionVerifier:
             q = torch.where((drop & drawn)[:, None], _normalised(without, without), q)
             full = torch.where(take[:, None], probs[rows, c].double(), full)     # on acceptance: x's own p, q
             p = torch.where(take[:, None], full, p)
-            q = torch.where(take[:, None], draft[rows, c].double(), q)
+            q = torch.where(take[:, None], _law(draft[rows, c]), q)
             path.scatter_(1, torch.where(take, depth[rows, c], d + 1)[:, None], c[:, None])
             node = torch.where(take, c, node)
             child = torch.where(take, first_child[rows, c], torch.where(drop, next_sibling[rows, c], child))
         accept_len = depth[rows, node]                                            # [B]
         return Verdict(path[:, : d + 1], accept_len, sample_rows(p, draws[rows, accept_len]))
+
+
+def _law(q: Tensor) -> Tensor:
+    """A node's q [B, V] as the law its children were drawn from, in float64: a row that does not
+    sum to 1 is read as its normalised law (as GrowingTree draws it; a builder of its own may
+    record the drafter's q as given, which the drafter contract lets sum to anything); a row
+    without mass stays 0."""
+    q = q.double()
+    return _normalised(q, q)
 
 
 def _normalised(x: Tensor, fallback: Tensor) -> Tensor:

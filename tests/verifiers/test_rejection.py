@@ -120,6 +120,32 @@ def test_a_drafter_q_that_does_not_sum_to_one_stays_lossless():
     assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
 
 
+class ScaledQChain(ChainBuilder):
+    """A sampled chain whose tree records q x ``scale``: what a builder of its own records when it
+    draws with torch.multinomial (which takes weights) and keeps the drafter's q as given, which
+    the drafter contract lets sum to anything."""
+
+    def __init__(self, scale: float, **kw):
+        super().__init__(**kw)
+        self.scale = scale
+
+    def build(self, drafter, roots):
+        tree = super().build(drafter, roots)
+        tree.draft_probs = tree.draft_probs * self.scale
+        return tree
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_a_tree_q_that_does_not_sum_to_one_is_read_as_its_normalised_law(scale):
+    """The drafts were drawn from the normalised q, so the verifier must test them against it,
+    whoever recorded q (q x 0.5 accepted too much, chi-square p ~ 1e-197 through the engine)."""
+    params = SamplingParams(temperature=1.0)
+    target, drafter = make_pair(seed=7)
+    counts = first_two_counts(ScaledQChain(scale, depth=3, sample=True), RejectionVerifier(), target, drafter,
+                              params, SAMPLES, seed=3)
+    assert chi_square_pvalue(counts, first_two_probs(target, params)) > 1e-3
+
+
 def test_a_drafter_equal_to_the_target_is_always_accepted():
     # q = p: u * q(x) < p(x) for every u < 1, so each step commits all 3 drafts + the bonus
     target = PathOracle(vocab=5, max_len=5, seed=3)
