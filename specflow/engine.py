@@ -37,8 +37,9 @@ class SpecEngine:
     ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
     speedup), one step ahead of the host (specflow.overlap). Component nodes are
     ``{"type": name, **params}`` mappings (see ``specflow list``). ``check_drafts`` checks every
-    drafted tree (structure, token ids in the vocabulary, finite non-negative q) and names the
-    drafter that broke one: for developing drafters (it waits for the device every step).
+    drafted tree (structure, token ids in the vocabulary, finite non-negative q) and every verdict
+    (a path of the tree, a bonus token in the vocabulary) and names the component that broke one:
+    for developing components (it waits for the device every step).
     ``prefix_caching`` shares the K/V of common prefixes between requests (README: Python API).
     """
 

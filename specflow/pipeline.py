@@ -13,7 +13,7 @@ from specflow.config import ConfigError, build_component, component_config
 from specflow.protocols import Drafter, TreeBuilder, Verifier
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
 from specflow.runtime.attention import BACKENDS
-from specflow.tree import DraftTree, Roots
+from specflow.tree import DraftTree, Roots, Verdict
 
 
 @dataclass
@@ -43,7 +43,7 @@ class EngineConfig:
     prefix_caching: bool = False   # share the KV of common prompt prefixes between requests (serving)
     cuda_graphs: bool | None = None
     record_steps: bool = False
-    check_drafts: bool = False     # check every drafted tree (structure, token ids, q): for new drafters
+    check_drafts: bool = False     # check every drafted tree (structure, token ids, q) and verdict: for new components
 
 
 def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
@@ -122,18 +122,30 @@ class Pipeline:
         return built[0], built[1]
 
     def check_tree(self, tree: DraftTree, roots: Roots, vocab_size: int, full: bool = False) -> None:
-        """Refuse a drafted tree, naming the drafter and tree builder: q over another vocabulary
-        (a shape: always, no wait); with ``full`` (``check_drafts``), also the tree's structure,
-        its root (the request's last committed token at its position), its token ids and its
-        drafts' q, each read back from the device (a wait per step: for developing drafters, not
-        for timing them)."""
+        """Refuse a drafted tree, naming the drafter and tree builder: a tree without its mask, of
+        another node count than the builder's ``num_draft_tokens`` (what the KV cache, the
+        scheduler and CUDA graphs reserve), or with q over another vocabulary (host-known
+        attributes and shapes: always, no wait); with ``full`` (``check_drafts``), also the tree's
+        structure, its root (the request's last committed token at its position), its token ids
+        and its drafts' q (finite, non-negative, and with mass on every sampled node's token at
+        its parent), each read back from the device (a wait per step: for developing drafters,
+        not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
+        if tree.mask is None:
+            raise ValueError(f"{where} returned a tree without its mask (DraftTree.mask, the ancestor-or-self "
+                             f"mask the target attends with): fill it with tree.with_mask(), as "
+                             f"GrowingTree.finish does")
+        if tree.num_nodes != self.tree.num_draft_tokens:
+            raise ValueError(f"{where} built trees of {tree.num_nodes} nodes, but its num_draft_tokens is "
+                             f"{self.tree.num_draft_tokens} (N, root included: what the KV cache and CUDA graphs "
+                             f"reserve per tree); pad them to N (DraftTree.pad_to) or say N")
         q = tree.draft_probs
         if q is not None and q.shape[-1] != vocab_size:
             raise ValueError(f"{where} returned draft probabilities q over {q.shape[-1]} tokens; the target's "
                              f"vocabulary has {vocab_size}")
         if not full:
             return
+        n = tree.num_nodes
         try:
             tree.check()
         except AssertionError as e:
@@ -150,6 +162,43 @@ class Pipeline:
                              f"min {int(tokens.min())}, max {int(tokens.max())}")
         if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
+        if q is not None and n > 1:
+            drawn = (tree.sampled & tree.valid)[:, 1:]                                   # [B, N - 1]
+            b, v = q.shape[0], q.shape[-1]
+            at_parent = q.reshape(b, -1).gather(1, tree.parents[:, 1:].clamp(min=0) * v
+                                                + tree.tokens[:, 1:].clamp(0, v - 1))  # [B, N - 1]
+            if bool((drawn & (at_parent <= 0)).any()):
+                raise ValueError(f"{where} marked nodes sampled (drawn from q at their parent) whose tokens "
+                                 f"have q = 0 there: the rejection rule would accept them whatever the target")
+
+    def check_verdict(self, tree: DraftTree, verdict: Verdict, vocab_size: int) -> None:
+        """Refuse a verdict that is not a path of the tree, naming the verifier (``check_drafts``):
+        ``accepted[b]`` starts at the root and each next node is a valid child of the one before,
+        ``accept_len[b]`` counts that path's drafts, and the bonus token is in the vocabulary.
+        ``verdict`` lies on the host; the tree's parents and valid flags are read back."""
+        where = f"the {type(self.verifier).__name__} verifier"
+        accepted, accept_len, bonus = verdict.accepted.cpu(), verdict.accept_len.cpu(), verdict.bonus_tokens.cpu()
+        parents, valid = tree.parents.cpu().tolist(), tree.valid.cpu().tolist()
+        b, n = tree.batch_size, tree.num_nodes
+        if accepted.dim() != 2 or accepted.shape[0] != b or accept_len.shape != (b,) or bonus.shape != (b,):
+            raise ValueError(f"{where} returned a verdict of shapes accepted {tuple(accepted.shape)}, accept_len "
+                             f"{tuple(accept_len.shape)}, bonus_tokens {tuple(bonus.shape)}; the tree has B = {b} "
+                             f"requests: [B, D + 1], [B] and [B]")
+        for r, (path, length, token) in enumerate(zip(accepted.tolist(), accept_len.tolist(), bonus.tolist())):
+            if not 0 <= length < len(path):
+                raise ValueError(f"{where} returned accept_len {length} for request row {r}, whose accepted path "
+                                 f"holds {len(path)} entries (root included)")
+            if path[0] != 0:
+                raise ValueError(f"{where} returned an accepted path {path} for request row {r}: it must start "
+                                 f"at the root, node 0")
+            for i in range(1, length + 1):
+                node = path[i]
+                if not (0 < node < n and valid[r][node] and parents[r][node] == path[i - 1]):
+                    raise ValueError(f"{where} returned an accepted path {path[:length + 1]} (accept_len {length}) "
+                                     f"for request row {r}: node {node} is not a valid child of node {path[i - 1]}")
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"{where} returned bonus token {token} for request row {r}, outside [0, "
+                                 f"{vocab_size}) (the target's vocabulary)")
 
     def describe(self) -> str:
         if self.drafter is None:

@@ -54,6 +54,8 @@ class SpeculativeDecoding:
             # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
             # and the greedy verifier, the step's one wait for the device
             *verdict, tokens = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens, tree.tokens])
+            if engine.check_drafts and tree.num_nodes > 1:  # (a root-only step's verdict is the engine's own)
+                engine.pipeline.check_verdict(tree, Verdict(*verdict), engine.model.config.vocab_size)
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
             finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings)

@@ -421,3 +421,92 @@ def test_check_drafts_refuses_a_tree_whose_root_is_not_the_requests(tiny_target,
                         dtype="float32", check_drafts=True)
     with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain " + message):
         engine.generate(PROMPTS[:2], GREEDY)
+
+
+class BrokenVerifier:
+    """Exact match, then one mistake in the verdict (``bug``)."""
+
+    lossless = True
+
+    def __init__(self, bug: str):
+        self.bug = bug
+
+    def verify(self, tree, target_logits, sampling):
+        from specflow.tree import Verdict
+        from verifiers.walk import exact_match
+
+        v = exact_match(tree, target_logits, sampling)
+        if self.bug == "accept_len past the path":
+            return Verdict(v.accepted, torch.full_like(v.accept_len, v.accepted.shape[1]), v.bonus_tokens)
+        if self.bug == "not a path":  # node 2 (node 1's child in a chain) straight under the root
+            accepted = v.accepted.clone()
+            accepted[:, 1] = 2
+            return Verdict(accepted, torch.ones_like(v.accept_len), v.bonus_tokens)
+        if self.bug == "no root":
+            return Verdict(v.accepted.roll(-1, 1), v.accept_len, v.bonus_tokens)
+        return Verdict(v.accepted, v.accept_len, v.bonus_tokens + target_logits.shape[-1])  # bonus outside V
+
+
+@pytest.mark.parametrize("bug, message", [
+    ("accept_len past the path", r"returned accept_len (\d+) for request row 0, whose accepted path holds \1 entries"),
+    ("not a path", r"returned an accepted path \[0, 2\] \(accept_len 1\) for request row 0: node 2 is not a valid "
+                   r"child of node 0"),
+    ("no root", r"returned an accepted path .* for request row 0: it must start at the root"),
+    ("bonus outside V", r"returned bonus token \d+ for request row 0, outside \[0, 320\)"),
+])
+def test_check_drafts_names_the_verifier_that_broke_a_verdict(tiny_target, bug, message):
+    """A verdict that is no path of the tree failed deep in the KV commit ("keep must be
+    increasing", a numpy broadcast error) or, with a bonus outside the vocabulary, was blamed on
+    the drafter a step later (the bonus is the next root)."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, {"type": "chain", "depth": 2}, BrokenVerifier(bug),
+                        device="cpu", dtype="float32", check_drafts=True)
+    with pytest.raises(ValueError, match="the BrokenVerifier verifier " + message):
+        engine.generate([PROMPTS[0] * 3], GREEDY)
+
+
+def _broken_chain(bug: str):
+    from trees.chain import ChainBuilder
+
+    class BrokenChain(ChainBuilder):
+        def build(self, drafter, roots):
+            said, self.num_draft_tokens = self.num_draft_tokens, self.depth + 1  # (ChainBuilder sizes its tree by it)
+            tree = super().build(drafter, roots)
+            self.num_draft_tokens = said
+            if bug == "no mask":
+                tree.mask = None
+                return tree
+            if bug == "more nodes":   # N forgot the root: num_draft_tokens = depth
+                return tree
+            tree.draft_probs = tree.draft_probs.clone()   # "sampled, q = 0": node 1's token loses its mass
+            rows = torch.arange(tree.batch_size)
+            tree.draft_probs[rows, 0, tree.tokens[:, 1]] = 0.0
+            return tree
+
+    builder = BrokenChain(depth=2, sample=bug == "sampled, q = 0")
+    if bug == "more nodes":
+        builder.num_draft_tokens = 2
+    return builder
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("bug, message", [
+    ("no mask", r"returned a tree without its mask .* tree.with_mask\(\)"),
+    ("more nodes", r"built trees of 3 nodes, but its num_draft_tokens is 2"),
+])
+def test_a_tree_without_mask_or_of_another_size_is_named_with_its_builder(tiny_target, bug, message, check):
+    """Neither was caught: no mask failed in the target forward ('NoneType' object is not
+    subscriptable), and a tree larger than num_draft_tokens ran until a batch mixed drafting and
+    plain rows (a bare AssertionError in DraftTree.place)."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, _broken_chain(bug), {"type": "greedy"}, device="cpu",
+                        dtype="float32", check_drafts=check)
+    with pytest.raises(ValueError, match="the NgramDrafter drafter with the BrokenChain " + message):
+        engine.generate([PROMPTS[0] * 3], GREEDY)
+
+
+def test_check_drafts_refuses_a_sampled_node_whose_token_has_no_q(tiny_target):
+    """The rejection rule accepts such a node whatever the target (u * 0 < p(x)): lossy, and
+    only a chi-square saw it (p ~ 1e-291 through the engine)."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, _broken_chain("sampled, q = 0"), {"type": "rejection"},
+                        device="cpu", dtype="float32", check_drafts=True)
+    with pytest.raises(ValueError, match="the NgramDrafter drafter with the BrokenChain marked nodes sampled .* q = 0"):
+        engine.generate([PROMPTS[0] * 3], SamplingParams(temperature=0.8, max_tokens=24, seed=0, ignore_eos=True))
