@@ -222,5 +222,8 @@ def _check_drafter(node: Any, where: str) -> None:
 def _build(registry, node: Any, where: str, ctx: dict) -> Any:
     """A config node (mapping, DictConfig or type name) is built; a component object passes through."""
     if isinstance(node, (str, dict, DictConfig)):
-        return build_component(registry, node, where, **ctx)
-    return node
+        component = build_component(registry, node, where, **ctx)
+    else:
+        component = node
+    registry.check_built(component, where)
+    return component

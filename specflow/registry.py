@@ -31,12 +31,16 @@ class Registry:
     """A name -> (class, config dataclass) table for one kind of component.
 
     ``contract`` is the documentation of what a registered class must do; ``specflow list`` and
-    error messages show it.
+    error messages show it. ``methods`` are the contract's methods, checked on the class when it
+    registers (a module that loads, ``--plugin``, fails at once); ``attributes`` the members a
+    built component must have (class attributes or set in ``__init__``), checked by ``check_built``
+    when a pipeline builds it, before it runs.
     """
 
-    def __init__(self, kind: str, contract: str):
+    def __init__(self, kind: str, contract: str, methods: tuple[str, ...] = (), attributes: tuple[str, ...] = ()):
         self.kind = kind
         self.contract = contract
+        self.methods, self.attributes = methods, attributes
         self._entries: dict[str, tuple[type, type]] = {}
 
     def register(self, name: str, config: type) -> Callable[[type], type]:
@@ -48,6 +52,10 @@ class Registry:
         assert dataclasses.is_dataclass(config), f"{name}: config must be a dataclass"
 
         def wrap(cls: type) -> type:
+            missing = [m for m in self.methods if not callable(getattr(cls, m, None))]
+            if missing:
+                raise RegistryError(f"{self.kind} '{name}': {cls.__qualname__} has no {', '.join(missing)}, which the "
+                                    f"{self.kind} contract asks for (see `specflow list`):\n{self.contract}")
             old = self._entries.get(name, (cls,))[0]
             if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
                 raise RegistryError(f"{self.kind} '{name}' is already registered "
@@ -65,6 +73,17 @@ class Registry:
         if name not in self._entries:
             raise RegistryError(f"unknown {self.kind} type '{name}'; known: {', '.join(self.names())}")
         return self._entries[name]
+
+    def check_built(self, component: Any, where: str) -> None:
+        """Raise ConfigError, naming ``where``, when a built component lacks a member of the contract
+        (``attributes``): otherwise the engine, or the report after the whole run, would fail on it."""
+        from specflow.config import ConfigError
+
+        missing = [a for a in self.attributes if not hasattr(component, a)]
+        if missing:
+            raise ConfigError(f"{where}: the {type(component).__name__} {self.kind} has no {', '.join(missing)}, which "
+                             f"the {self.kind} contract asks for (a class attribute, or set in __init__; see "
+                             f"`specflow list`)")
 
     def names(self) -> list[str]:
         load_plugins()
@@ -85,14 +104,19 @@ A drafter answers "what could follow these tree nodes, and how likely?" (specflo
                                   sum to 1 is read as its normalised law)
   commit(verdict, features)     - the accepted path of each request (+ its target features)
   release(request_ids)          - forget finished or cancelled requests
-  from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""")
+  from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""",
+                    methods=("from_config", "begin", "expand", "commit", "release"), attributes=("needs",))
 
 TREE_BUILDERS = Registry("tree", """\
 A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).
   num_draft_tokens              - node budget N per request, root included
   build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs
                                   (trees.growth.GrowingTree grows one: expand / add / finish,
-                                  and sets max_tries, the children a walk may try)""")
+                                  and sets max_tries, the children a walk may try); every tree
+                                  has N nodes (pad with DraftTree.pad_to) and its mask filled
+                                  (DraftTree.with_mask); sampled nodes' q in draft_probs
+  from_config(cfg, **ctx)       - the builder from its validated config (ctx as for drafters)""",
+                        methods=("from_config", "build"), attributes=("num_draft_tokens",))
 
 VERIFIERS = Registry("verifier", """\
 A verifier accepts a path of the draft tree against the target (specflow.protocols.Verifier).
@@ -101,7 +125,12 @@ A verifier accepts a path of the draft tree against the target (specflow.protoco
   verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token;
                                   target_logits [B, N, V] are every node's, penalties applied
                                   (target_probs processes them); a target draw uses
-                                  sampling.draws(depth), so seeded runs reproduce plain decoding""")
+                                  sampling.draws(depth), so seeded runs reproduce plain decoding;
+                                  a walk that tests drafts with coins (sampling.coins) takes
+                                  sampling = sampling.coin_walk() first, for its coins and bonus
+                                  draws alike (else lossy with a drafter that learns across requests)
+  from_config(cfg, **ctx)       - the verifier from its validated config (ctx as for drafters)""",
+                    methods=("from_config", "verify"), attributes=("lossless",))
 
 ALL = {"drafter": DRAFTERS, "tree": TREE_BUILDERS, "verifier": VERIFIERS}
 

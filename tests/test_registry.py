@@ -107,3 +107,108 @@ def test_a_plugin_file_named_like_another_module_is_refused_naming_both(tmp_path
         print("echo" in DRAFTERS)
         """, cwd=tmp_path)
     assert run.stdout.strip() == "True", run.stderr
+
+
+HALF_DRAFTER = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    from specflow.protocols import TargetNeeds
+    from specflow.registry import DRAFTERS
+
+
+    @dataclass
+    class HalfConfig:
+        pass
+
+
+    @DRAFTERS.register("half", config=HalfConfig)
+    class HalfDrafter:
+        needs = TargetNeeds()
+
+        @classmethod
+        def from_config(cls, cfg, **_):
+            return cls()
+
+        def begin(self, features): pass
+        def expand(self, frontier): pass
+        def commit(self, verdict, features): pass
+''')
+
+
+def test_a_class_without_a_method_of_its_contract_fails_when_it_registers(tmp_path):
+    """A drafter without release() loaded, listed and ran through the baseline and its own warm-up,
+    then failed at its first finished request (AttributeError)."""
+    (tmp_path / "half_drafters.py").write_text(HALF_DRAFTER)
+    run = python("""
+        import sys
+        from specflow.cli import main
+        sys.exit(main(["list", "--plugin", "half_drafters.py"]))
+        """, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "drafter 'half': HalfDrafter has no release, which the drafter contract asks for" in run.stderr
+
+
+NO_LOSSLESS_VERIFIER = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    from specflow.registry import VERIFIERS
+    from verifiers.walk import exact_match
+
+
+    @dataclass
+    class NoLosslessConfig:
+        pass
+
+
+    @VERIFIERS.register("no_lossless", config=NoLosslessConfig)
+    class NoLossless:   # (forgot: lossless = True)
+        @classmethod
+        def from_config(cls, cfg, **_):
+            return cls()
+
+        def verify(self, tree, target_logits, sampling):
+            return exact_match(tree, target_logits, sampling)
+''')
+
+
+def test_a_component_without_an_attribute_of_its_contract_is_refused_before_the_run(tmp_path, tiny_target):
+    """A verifier without ``lossless`` ran its whole pipeline, then the report's read of it stopped
+    ``specflow run`` (AttributeError): the pipelines after it never ran and its own results were lost.
+    Verifiers and trees are built when the config is checked, before the target loads: it fails there."""
+    (tmp_path / "no_lossless.py").write_text(NO_LOSSLESS_VERIFIER)
+    (tmp_path / "exp.yaml").write_text(f"""
+name: tiny
+output_dir: {tmp_path / 'runs'}
+engine: {{target: {tiny_target}, device: cpu, dtype: float32, kv_cache_tokens: 4096}}
+prompts: {{suite: builtin, categories: [code], per_category: 1}}
+sampling: {{temperature: 0.0, max_tokens: 4, ignore_eos: true}}
+pipelines:
+  - {{name: forgetful, drafter: {{type: ngram}}, tree: {{type: chain, depth: 2}}, verifier: {{type: no_lossless}}}}
+  - {{name: after, drafter: {{type: ngram}}, tree: {{type: chain, depth: 2}}, verifier: {{type: greedy}}}}
+""")
+    run = python("""
+        import sys
+        from specflow.cli import main
+        sys.exit(main(["run", "exp.yaml", "--plugin", "no_lossless.py"]))
+        """, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("specflow run: error: pipelines[forgetful].verifier: the NoLossless verifier "
+                                 "has no lossless, which the verifier contract asks for"), run.stderr
+    assert not (tmp_path / "runs" / "tiny" / "results.json").exists()   # (refused before the baseline ran)
+
+
+def test_a_drafter_object_without_needs_is_named(tiny_target):
+    """(an AttributeError from the feature feed before)"""
+    import pytest
+
+    from specflow import SpecEngine
+    from specflow.config import ConfigError
+
+    class Needless:
+        def begin(self, features): pass
+        def expand(self, frontier): pass
+        def commit(self, verdict, features): pass
+        def release(self, request_ids): pass
+
+    with pytest.raises(ConfigError, match="drafter: the Needless drafter has no needs, which the drafter contract"):
+        SpecEngine(tiny_target, Needless(), {"type": "chain"}, {"type": "greedy"}, device="cpu", dtype="float32")
