@@ -40,11 +40,11 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
              f"{'best of ' + str(results['repeats']) + ' runs, ' if results['repeats'] > 1 else ''}temperature "
              f"{results['sampling']['temperature']}, max_tokens {results['sampling']['max_tokens']}; torch "
              f"{results['torch_version']}, specflow {commit}{plugins}. Speedup is against the autoregressive baseline "
-             f"measured in the same run. Lossless: the verifier keeps the target's distribution at any "
-             f"temperature (at temperature 0 every pipeline is exact). Matches baseline: prompts with the "
-             f"baseline's exact tokens; prompts are seeded, so at temperature > 0 the verifiers that follow "
-             f"the target's draws (greedy; rejection over top-k drafts) match too and the others are exact "
-             f"in distribution only.", "",
+             f"measured in the same run. Lossless: the verifier declares (its `lossless`) that it keeps the "
+             f"target's distribution at any temperature, so at temperature 0 such a pipeline is exact. Matches "
+             f"baseline: prompts with the baseline's exact tokens; prompts are seeded, so at temperature > 0 "
+             f"the verifiers that follow the target's draws (greedy; rejection over top-k drafts) match too and "
+             f"the other lossless ones are exact in distribution only.", "",
              "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline | p50 s | p99 s |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in finished.items():

@@ -29,3 +29,19 @@ def test_report_flags_noise_and_untimed_categories_and_lists_failures_apart(tmp_
     assert "## Best\n\n`fast`: speedup 3.00x, accept length 2.00" in md
     assert md.count("broken") == 1 and "## Failed pipelines\n\n- `broken`: ValueError: bad draft" in md
     assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+def test_the_header_does_not_promise_exact_lossy_pipelines(tmp_path):
+    """A plugin verifier may be lossy at temperature 0 (top-k acceptance: 0 % of prompts matched);
+    the header said "at temperature 0 every pipeline is exact" above it."""
+    base = {"prompts": 1, "tokens": 8, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+            "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0}}}
+    lossy = base | {"accept_length": 2.3, "speedup": 1.2, "lossless": False, "matches_baseline": 0.0,
+                    "categories": {"code": {"accept_length": 2.3, "tokens_per_s": 120.0, "speedup": 1.2}}}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 1,
+               "repeats": 1, "sampling": {"temperature": 0.0, "max_tokens": 8}, "torch_version": "2.5",
+               "git_commit": None, "pipelines": {"baseline": base, "topk": lossy}}
+    write_report(results, {"baseline": [{"accept_lengths": [1] * 8}], "topk": [{"accept_lengths": [2] * 4}]}, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| topk | no | 2.30 |" in md and "| 0% |" in md
+    assert "every pipeline is exact" not in md and "at temperature 0 such a pipeline is exact" in md
