@@ -103,7 +103,8 @@ A drafter answers "what could follow these tree nodes, and how likely?" (specflo
                                   the full q [B, F, V] they were drawn from (a row that does not
                                   sum to 1 is read as its normalised law)
   commit(verdict, features)     - the accepted path of each request (+ its target features)
-  release(request_ids)          - forget finished or cancelled requests
+  release(request_ids)          - forget finished, cancelled or preempted requests (a preempted
+                                  one is begun again later under the same id)
   from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""",
                     methods=("from_config", "begin", "expand", "commit", "release"), attributes=("needs",))
 
