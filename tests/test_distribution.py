@@ -9,60 +9,29 @@ import torch
 
 from drafters.ngram import _expansion, _path_tokens
 from specflow import SamplingParams, SpecEngine
+from specflow.bench.distribution import (NEW_TOKENS, PARAMS, PROMPT, VOCAB, check_lossless, chi_square_pvalue,
+                                         continuation, exact_joint, sampled_counts, small_target)
 from specflow.config import build_component
 from specflow.models import load_model
 from specflow.models.random import make_random_checkpoint
 from specflow.protocols import TargetNeeds
 from specflow.registry import DRAFTERS
-from specflow.runtime.model_runner import ModelRunner
-from specflow.sampling import SamplingBatch, target_probs
 from tests.test_penalties import reference_logits
 
-V, PROMPT, NEW = 6, [1, 4, 2, 5], 3  # NEW tokens: one from prefill, then speculative steps
-PARAMS = dict(temperature=0.9, top_k=5, top_p=0.95, max_tokens=NEW, ignore_eos=True)
+V, NEW = VOCAB, NEW_TOKENS
+PARAMS_N = dict(PARAMS, max_tokens=NEW, ignore_eos=True)  # a request's SamplingParams
 
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    target = make_random_checkpoint(tmp_path_factory.mktemp("v6-target"), hidden_size=32, num_layers=2, num_heads=2,
-                                    vocab_size=V, initializer_range=0.15, seed=3, tokenizer=False)
+    target = small_target(tmp_path_factory.mktemp("v6-target"))
     draft = make_random_checkpoint(tmp_path_factory.mktemp("v6-draft"), hidden_size=32, num_layers=1, num_heads=2,
                                    vocab_size=V, initializer_range=0.15, seed=4, tokenizer=False)
     return target, draft
 
 
-def exact_joint(model, prompt: list[int] = PROMPT, params: dict = PARAMS) -> torch.Tensor:
-    """[V ** 3] probability p(a) p(b | a) p(c | a, b) of every 3-token continuation of ``prompt``
-    under the processed target distribution (penalties, as tests/test_penalties.py writes them
-    out token by token, then temperature and the truncations)."""
-    runner, params = ModelRunner(model, num_pages=4096), SamplingParams(**params)
-    sampling = SamplingBatch.from_params([params], [0])
-    joint = torch.zeros(V, V, V, dtype=torch.float64)
-    for a, b in itertools.product(range(V), repeat=2):
-        logits = runner.extend([0], [prompt + [a, b]]).logits[len(prompt) - 1:]  # [3, V]
-        runner.release([0])
-        adjusted = [reference_logits(logits[k].tolist(), prompt, [a, b][:k], params, set()) for k in range(3)]
-        p = target_probs(torch.tensor(adjusted)[None], sampling)[0].double()  # [3, V]: p(.), p(.|a), p(.|a,b)
-        joint[a, b] = p[0, a] * p[1, b] * p[2]
-    return joint.flatten()
-
-
-def sampled_counts(engine: SpecEngine, n: int, prompt: list[int] = PROMPT, params: dict = PARAMS) -> torch.Tensor:
-    outs = engine.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
-    counts = torch.zeros(V ** NEW)
-    for o in outs:
-        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
-    return counts
-
-
 def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    from scipy.stats import chisquare  # (here: the GPU machine has no scipy)
-    expected = probs * counts.sum()
-    big = expected >= 5  # pool small cells so the chi-square approximation holds
-    small = [counts[~big].sum()[None]] if bool((~big).any()) else []  # (an empty pool's 0 / 0 is a NaN p)
-    obs = torch.cat([counts[big], *small]).numpy()
-    exp = torch.cat([expected[big], *[expected[~big].sum()[None]] * len(small)]).numpy()
-    p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    p = chi_square_pvalue(counts, probs)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
     return p
 
@@ -82,15 +51,24 @@ CASES = {
                                   pytest.param("rejection-sampled-static", marks=pytest.mark.slow)])
 def test_sampled_output_matches_target_distribution(small_vocab, case):
     target, draft = small_vocab
-    model = load_model(target)
     tree, verifier = CASES[case]
-    engine = SpecEngine(model, {"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192}, tree, verifier,
-                        kv_cache_tokens=8192, max_batch_size=128)
-    counts = sampled_counts(engine, 3000)
-    assert_same_distribution(counts, exact_joint(model))
+    p = check_lossless({"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192}, tree, verifier, target)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_check_lossless_makes_its_own_small_target():
+    """The README's check of a new component: a model-free drafter needs nothing but its nodes."""
+    p = check_lossless({"type": "ngram", "max_window": 1}, SAMPLED_STATIC, {"type": "rejection"}, samples=1000,
+                       prompt=REPEATING)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
 PENALIZED = dict(PARAMS, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, logit_bias={2: 1.0})
+
+
+def penalized(logits: torch.Tensor, before: list[int]) -> torch.Tensor:
+    """The penalties as tests/test_penalties.py writes them out, token by token (exact_joint's adjust)."""
+    return torch.tensor(reference_logits(logits.tolist(), PROMPT, before, SamplingParams(**PENALIZED), set()))
 
 
 @pytest.mark.parametrize("case", ["rejection-sampled-chain", pytest.param("rejection-topk-eagle2", marks=pytest.mark.slow)])
@@ -103,7 +81,7 @@ def test_sampled_output_with_penalties_matches_the_penalized_target_distribution
     tree, verifier = CASES[case]
     engine = SpecEngine(model, {"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192}, tree, verifier,
                         kv_cache_tokens=8192, max_batch_size=128)
-    joint = exact_joint(model, params=PENALIZED)
+    joint = exact_joint(model, params=PENALIZED, adjust=penalized)
     assert (joint - exact_joint(model)).abs().sum() > 0.2  # (the penalties move the distribution)
     assert_same_distribution(sampled_counts(engine, 3000, params=PENALIZED), joint)
 
@@ -134,7 +112,7 @@ def test_a_pool_short_of_full_trees_steps_plainly_before_any_draw(small_vocab):
         engine = SpecEngine(load_model(small_vocab[0]), drafter, SAMPLED_STATIC, {"type": "rejection"},
                             kv_cache_tokens=len(REPEATING) + room, max_batch_size=1)
         expansions.clear()
-        out = engine.generate([REPEATING], SamplingParams(seed=0, **dict(PARAMS, max_tokens=2)))[0]
+        out = engine.generate([REPEATING], SamplingParams(seed=0, **dict(PARAMS_N, max_tokens=2)))[0]
         assert bool(expansions) == drafted and len(out.token_ids) == 2
 
 
@@ -149,7 +127,7 @@ def test_rows_whose_trees_fit_still_draft_beside_those_that_do_not(small_vocab):
                         kv_cache_tokens=2 * len(REPEATING) + tree_nodes + 4, max_batch_size=2)
     expand = drafter.expand
     drafter.expand = lambda f: asked.append((f.nodes.shape[0], len(engine.scheduler.running))) or expand(f)
-    engine.generate([REPEATING] * 2, SamplingParams(seed=0, **dict(PARAMS, max_tokens=2)))
+    engine.generate([REPEATING] * 2, SamplingParams(seed=0, **dict(PARAMS_N, max_tokens=2)))
     assert asked and set(asked) == {(1, 2)}
 
 
@@ -170,10 +148,10 @@ def test_requests_of_one_seed_stay_lossless_with_a_drafter_shared_between_them(s
     counts = torch.zeros(V ** NEW)
     for r in range(60):  # a fresh trie for every round of 36 pairs
         engine = SpecEngine(model, SHARED_NGRAM, tree, verifier, kv_cache_tokens=4096, max_batch_size=64)
-        params = [SamplingParams(seed=r * len(prompts) + i, **PARAMS) for i in range(len(prompts))]
+        params = [SamplingParams(seed=r * len(prompts) + i, **PARAMS_N) for i in range(len(prompts))]
         engine.generate(prompts, params)   # the earlier requests, feeding the trie
         for o in engine.generate(prompts, params):
-            counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
+            counts[continuation(o.token_ids, V)] += 1
     assert_same_distribution(counts, sum(exact_joint(model, prompt) for prompt in prompts))
 
 
@@ -217,11 +195,11 @@ def test_requests_of_one_seed_draw_their_sampled_drafts_apart_with_a_drafter_sha
     for r in range(160):
         engine = SpecEngine(model, SharedCounts(), {"type": "chain", "depth": 1, "sample": True}, {"type": "rejection"},
                             kv_cache_tokens=4096, max_batch_size=64)
-        params = [SamplingParams(seed=r * len(prompts) + i, **PARAMS) for i in range(len(prompts))]
+        params = [SamplingParams(seed=r * len(prompts) + i, **PARAMS_N) for i in range(len(prompts))]
         # (the earlier requests run past the later ones: a request's last step is never committed)
-        engine.generate(prompts, [SamplingParams(seed=p.seed, **dict(PARAMS, max_tokens=NEW + 3)) for p in params])
+        engine.generate(prompts, [SamplingParams(seed=p.seed, **dict(PARAMS_N, max_tokens=NEW + 3)) for p in params])
         for o in engine.generate(prompts, params):
-            counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids))] += 1
+            counts[continuation(o.token_ids, V)] += 1
     def first_two(joint: torch.Tensor) -> torch.Tensor:  # (the first draft's token is the second)
         return joint.view(V, V, V).sum(-1).flatten()
 
@@ -233,18 +211,27 @@ def test_a_drafter_shared_between_requests_keys_their_draft_generators_apart(sma
     of one request, other draws for a drafter that learns across requests."""
     for drafter, apart in (({"type": "ngram"}, False), (SHARED_NGRAM, True)):
         engine = SpecEngine(load_model(small_vocab[0]), drafter, SAMPLED_STATIC, {"type": "rejection"})
-        a, b = (engine._requests[engine.add_request(PROMPT, SamplingParams(seed=5, **PARAMS))] for _ in range(2))
+        a, b = (engine._requests[engine.add_request(PROMPT, SamplingParams(seed=5, **PARAMS_N))] for _ in range(2))
         assert torch.equal(torch.rand(8, generator=a.generator), torch.rand(8, generator=b.generator)) != apart
 
 
 def test_the_check_detects_a_lossy_verifier(small_vocab):
     target, draft = small_vocab
-    model = load_model(target)
-    engine = SpecEngine(model, {"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192},
-                        CASES["threshold-1-1-eagle2"][0], {"type": "threshold", "threshold_single": 0.05},
-                        kv_cache_tokens=8192, max_batch_size=128)
-    with pytest.raises(AssertionError, match="chi-square"):
-        assert_same_distribution(sampled_counts(engine, 3000), exact_joint(model))
+    assert check_lossless({"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192},
+                          CASES["threshold-1-1-eagle2"][0], {"type": "threshold", "threshold_single": 0.05},
+                          target) < 1e-6
+
+
+def test_chi_square_pvalue_is_scipy_s_and_a_count_the_law_cannot_have_is_p_0():
+    from scipy.stats import chisquare
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    counts = torch.tensor([260.0, 280.0, 140.0, 20.0, 0.0])
+    expected = probs[:4] * counts.sum()
+    assert chi_square_pvalue(counts, probs) == pytest.approx(chisquare(counts[:4].numpy(), expected.numpy()).pvalue)
+    assert chi_square_pvalue(counts + torch.tensor([0, 0, 0, 0, 1.0]), probs) == 0.0
+    pooled = chi_square_pvalue(torch.tensor([50.0, 46.0, 3.0, 1.0]), torch.tensor([0.5, 0.46, 0.03, 0.01]))
+    assert pooled == pytest.approx(chisquare([50, 46, 4], [50, 46, 4]).pvalue)  # the last two cells pooled
 
 
 def test_engines_sharing_a_learning_drafter_salt_their_requests_apart(small_vocab):
@@ -256,9 +243,9 @@ def test_engines_sharing_a_learning_drafter_salt_their_requests_apart(small_voca
     salts = set()
     for _ in range(2):
         engine = SpecEngine(model, shared, SAMPLED_STATIC, {"type": "rejection"})
-        salts.add(engine._requests[engine.add_request(PROMPT, SamplingParams(seed=5, **PARAMS))].salt)
+        salts.add(engine._requests[engine.add_request(PROMPT, SamplingParams(seed=5, **PARAMS_N))].salt)
     assert len(salts) == 2 and 0 not in salts
     fresh = [SpecEngine(model, build_component(DRAFTERS, SHARED_NGRAM, vocab_size=V), SAMPLED_STATIC,
                         {"type": "rejection"}) for _ in range(2)]
     # a drafter of its own: the same salts in every engine, so a seeded run repeats in one process
-    assert len({e._requests[e.add_request(PROMPT, SamplingParams(seed=5, **PARAMS))].salt for e in fresh}) == 1
+    assert len({e._requests[e.add_request(PROMPT, SamplingParams(seed=5, **PARAMS_N))].salt for e in fresh}) == 1

@@ -106,14 +106,3 @@ def first_two_probs(target: PathOracle, params: SamplingParams) -> Tensor:
     probs = target_probs(target.table[codes].unsqueeze(0),
                          SamplingBatch.from_params([params], [0]))[0]  # [1 + V, V]
     return probs[0].unsqueeze(1) * probs[1:]
-
-
-def chi_square_pvalue(counts: Tensor, probs: Tensor) -> float:
-    """Goodness of fit of counts to probs; cells the target cannot produce must stay empty."""
-    from scipy.stats import chisquare
-
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    impossible = probs <= 1e-12
-    assert counts[impossible].sum() == 0, "a token pair the target cannot produce was committed"
-    expected = probs[~impossible] / probs[~impossible].sum() * counts.sum()
-    return float(chisquare(counts[~impossible].numpy(), expected.numpy()).pvalue)

@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specflow.bench.distribution import chi_square_pvalue
 from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs
 from specflow.tree import DraftTree, Expansion
 from tests.verifiers.test_greedy import VOCAB, random_trees
-from tests.verifiers.oracle import (START, OracleDrafter, PathOracle, chi_square_pvalue, first_two_counts,
+from tests.verifiers.oracle import (START, OracleDrafter, PathOracle, first_two_counts,
                                    first_two_probs, make_pair, speculative_step)
 from trees.chain import ChainBuilder
 from trees.eagle2 import Eagle2Builder

@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specflow.bench.distribution import chi_square_pvalue
 from specflow.config import build_component
 from specflow.registry import VERIFIERS
 from specflow.sampling import SamplingBatch, SamplingParams, sample_rows, target_probs
 from specflow.tree import DraftTree
-from tests.verifiers.oracle import chi_square_pvalue, first_two_counts, first_two_probs, make_pair
+from tests.verifiers.oracle import first_two_counts, first_two_probs, make_pair
 from tests.verifiers.test_greedy import VOCAB, random_trees
 from trees.static import StaticBuilder
 from verifiers.threshold import ThresholdVerifier
