@@ -136,8 +136,15 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()   # refuse new connections while the ones in flight finish
+        # and new requests on the open ones: an idle keep-alive connection closes now, a busy one
+        # after its response (uvicorn's own shutdown does this only once the grace is over, and a
+        # client's pooled connections would keep sending requests through all of it)
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
         deadline = time.monotonic() + self.grace
-        while self.engine_loop.in_flight and time.monotonic() < deadline:
+        # (the tasks: requests received but not yet in the engine, being parsed or tokenized)
+        while (self.engine_loop.in_flight or self.server_state.tasks) and time.monotonic() < deadline \
+                and not self.force_exit:   # (a second Ctrl+C)
             await asyncio.sleep(0.05)
         if self.engine_loop.in_flight:
             log.warning("ending %d requests still running %s s after the signal", self.engine_loop.in_flight,

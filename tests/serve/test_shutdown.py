@@ -5,6 +5,7 @@ then a SIGINT with requests in flight: short ones finish, a long one ends with w
 import json
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -69,3 +70,54 @@ def test_sigint_finishes_short_requests_and_ends_long_ones(plain_server):
         assert finish == ["abort" if name == "long" else "length"] * n, name
     log = plain_server.log
     assert "Traceback" not in log and "Application shutdown complete" in log
+
+
+def test_a_signal_closes_keep_alive_connections_to_new_requests(tiny_target, tmp_path):
+    """After SIGTERM, a client's pooled keep-alive connection takes no new request (uvicorn's own
+    shutdown closes idle connections at once, busy ones after their response): the drain ends
+    when the requests in flight at the signal end, instead of admitting new ones until the
+    shutdown timeout and then aborting them."""
+    config = write_serve_config(tmp_path / "serve.yaml", MODEL, target=str(tiny_target), drafter=None)
+    server = ServerProcess(config, "--shutdown-timeout", "30").wait_ready()
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    events, first = [], threading.Event()
+    long = threading.Thread(target=stream, args=(server.url, 1, 3000, events, first))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as pooled:
+            assert pooled.post("/v1/completions", json=body).status_code == 200   # the connection stays open
+            long.start()
+            first.wait()
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)   # (uvicorn looks for the signal every 0.1 s)
+            assert server.proc.poll() is None   # still draining the long request
+            with pytest.raises(httpx.TransportError):
+                pooled.post("/v1/completions", json=body)
+        long.join()
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    assert events[-1] == "[DONE]"
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+
+def test_a_second_sigint_ends_the_requests_at_once(tiny_target, tmp_path):
+    """Ctrl+C twice does not wait out the shutdown timeout: the requests in flight end at once
+    with what they have, and the process exits with 0."""
+    config = write_serve_config(tmp_path / "serve.yaml", MODEL, target=str(tiny_target), drafter=None)
+    server = ServerProcess(config, "--shutdown-timeout", "60").wait_ready()
+    events, first = [], threading.Event()
+    long = threading.Thread(target=stream, args=(server.url, 4, 3000, events, first))
+    try:
+        long.start()
+        first.wait()
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(60) == 0
+        assert time.monotonic() - start < 20   # (not the 60 s timeout, nor 4 x 3000 tokens)
+        long.join()
+    finally:
+        server.stop()
+    assert events[-1] == "[DONE]"
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["abort"] * 4
