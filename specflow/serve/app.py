@@ -20,11 +20,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specflow.config import ConfigError, load_yaml, validate
 from specflow.engine import SpecEngine
 from specflow.pipeline import EngineConfig
-from specflow.serve.completions import OpenAIServing
+from specflow.serve.completions import CLIENT_CLOSED, OpenAIServing
 from specflow.serve.inputs import ApiError
 from specflow.serve.engine_loop import EngineLoop, EngineNotRunning
 from specflow.serve.metrics import Metrics
@@ -106,7 +107,10 @@ def decode_body(model: type[Body], raw: bytes, content_type: str | None) -> Body
 async def read_body(request: Request, model: type[Body]) -> Body:
     """The request body as ``model``, decoded and validated on a worker thread: on the event loop,
     a body of many MB would stall every other request meanwhile (160k chat messages take ~1.5 s)."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:   # (no one reads the answer: it is for the log and the metrics)
+        raise ApiError(CLIENT_CLOSED, "the client closed the connection before sending the whole body") from None
     return await asyncio.to_thread(decode_body, model, raw, request.headers.get("content-type"))
 
 

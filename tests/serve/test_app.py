@@ -320,3 +320,23 @@ def test_non_streaming_disconnect_frees_pages(server):
         httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.2))
     wait_for_no_pages(server)
     assert server.metric("specflow_requests_finished_total", finish_reason="abort") == aborted + 1
+
+
+def test_a_client_gone_mid_body_is_499_not_a_server_error(server):
+    """A client that closes its connection before sending the whole body (a timeout while a large
+    prompt uploads) is a client closed request, as a disconnect after the body is: no 500 in
+    specflow_requests_total, no traceback in the log."""
+    import socket
+
+    errors, closed = (server.metric("specflow_requests_total", endpoint="/v1/completions", status=s)
+                      for s in ("500", "499"))
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":".encode())
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while server.metric("specflow_requests_total", endpoint="/v1/completions", status="499") == closed:
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.05)
+    assert server.metric("specflow_requests_total", endpoint="/v1/completions", status="500") == errors
+    assert "ClientDisconnect" not in server.log
