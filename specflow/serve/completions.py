@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import json
 import time
 import uuid
@@ -81,8 +82,8 @@ class OpenAIServing:
         for ids in prompts:
             self.inputs.check_context(ids, max_tokens, "prompt", "max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
-        choices = [(ids, self.inputs.params(body, max_tokens, body.logprobs, i, prompt_logprobs))
-                   for ids in prompts for i in range(body.n)]
+        per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)
+        choices = [(ids, copy.copy(params)) for ids in prompts for params in per_choice]
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
@@ -135,7 +136,7 @@ class OpenAIServing:
         self.inputs.check_context(ids, max_tokens, "messages",
                             "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        sub = await self._submit([(ids, self.inputs.params(body, max_tokens, top_n, i)) for i in range(body.n)],
+        sub = await self._submit([(ids, params) for params in self.inputs.params(body, max_tokens, top_n)],
                                  "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -4,6 +4,7 @@ value the server refuses a 4xx ``ApiError`` naming it, before anything reaches t
 from __future__ import annotations
 
 import asyncio
+import copy
 
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
@@ -104,20 +105,25 @@ class RequestInputs:
             raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (U+{ord(e.object[e.start]):04X} at character "
                                 f"{e.start}), which is not valid Unicode text", param=param) from None
 
-    def params(self, body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int,
-                prompt_logprobs: int | None = None) -> SamplingParams:
-        """Choice ``choice``'s SamplingParams; a value they refuse (a ``min_tokens`` past the
-        request's max tokens, a ``logit_bias`` token past the vocabulary) is a 400 naming it."""
+    def params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+               prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """Each of the ``n`` choices' SamplingParams; a value they refuse (a ``min_tokens`` past
+        the request's max tokens, a ``logit_bias`` token past the vocabulary) is a 400 naming it.
+        They are built and checked once, on the event loop, and copied for each choice with its
+        seed: a check costs as much as the request's ``stop_token_ids`` and ``logit_bias`` hold."""
         try:
             params = SamplingParams(
                 temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                max_tokens=max_tokens, seed=body.choice_seed(choice), stop=body.stop,
+                max_tokens=max_tokens, seed=body.choice_seed(0), stop=body.stop,
                 stop_token_ids=body.stop_token_ids or [],
                 ignore_eos=body.ignore_eos, speculative=body.speculative, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, logit_bias=body.token_bias(),
                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
             params.check_vocab(self.engine.model.config.vocab_size)
-            return params
         except ValueError as e:   # its message starts with the field's name
             raise ApiError(400, str(e), param=str(e).split()[0]) from None
+        choices = [params] + [copy.copy(params) for _ in range(body.n - 1)]
+        for i, choice in enumerate(choices):
+            choice.seed = body.choice_seed(i)   # (a seed in range, or None: nothing to check again)
+        return choices

@@ -74,6 +74,12 @@ class SamplingFields(_Strict):
         """``logit_bias`` keyed by token id (None when empty)."""
         return {int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _distinct_stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        # a set: each id once, however often a body repeats it (each one is checked, per request)
+        return None if v is None else list(dict.fromkeys(v))
+
     @field_validator("top_k")
     @classmethod
     def _top_k_zero_is_off(cls, v: int) -> int:

@@ -203,6 +203,29 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(chat_target, monkeypatch)
     assert not any(on_loop for _, on_loop in calls), calls
 
 
+def test_sampling_params_are_checked_once_per_request(chat_target, monkeypatch):
+    """A request's SamplingParams are built and checked once on the event loop, whatever its n and
+    its number of prompts (each choice a copy with its own seed), and stop_token_ids arrive each
+    id once: a 4 MB body of one id repeated 1.5M times with n=16 held the event loop (/health,
+    every stream) for 9 s, checking 16 x 1.5M ids."""
+    from specflow.sampling import SamplingParams
+
+    engine = SpecEngine(chat_target)
+    checked = []
+    post_init = SamplingParams.__post_init__
+    monkeypatch.setattr(SamplingParams, "__post_init__",
+                        lambda self: (checked.append(list(self.stop_token_ids)), post_init(self))[1])
+    body = {**GOOD, "prompt": ["x = 1", "y = 2"], "n": 3, "seed": 5, "temperature": 1.0,
+            "stop_token_ids": [7] * 1000 + [9, 7]}
+    with TestClient(build_app(engine, MODEL)) as client:
+        response = client.post("/v1/completions", json=body)
+        again = client.post("/v1/completions", json={**body, "stop_token_ids": [7, 9]})
+    assert response.status_code == 200 and checked == [[7, 9], [7, 9]]
+    texts = [c["text"] for c in response.json()["choices"]]
+    assert texts == [c["text"] for c in again.json()["choices"]]
+    assert texts[0] != texts[1] and texts[:3] != texts[3:]   # (seeds 5, 6, 7 for each prompt)
+
+
 def test_an_echo_cancelled_in_the_queue_keeps_its_logprobs_arrays_aligned(chat_target):
     """A shutdown's cancel ends a queued echo choice before its prefill: its prompt tokens still
     come with one logprob entry each (null), not an empty token_logprobs beside them."""
