@@ -134,13 +134,24 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
             return chat[-1]["content"]
         return engine.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
+    def widest(t: list[str]) -> int:
+        """The longest prompt question ``t``'s turns can send: its whole chat, in the template,
+        with answers of max_tokens (each given here as an empty message: its template tokens)."""
+        chat = [{"role": "user", "content": t[0]}]
+        for text in t[1:]:
+            chat += [{"role": "assistant", "content": ""}, {"role": "user", "content": text}]
+        return len(engine.encode(render(chat))) + (len(t) - 1) * sampling.max_tokens
+
     # CUDA graphs are captured the first time a shape is met, on this fresh engine: the warm-up
     # meets the timed batches' batch sizes (with graphs, every padded size up to the largest
     # batch, which requests finishing at different steps pass through) and their widest KV (the
-    # longest prompt; a later turn's, with the answers before it, is as long as its turns and
-    # their max_tokens at most), so no capture falls inside the timed wall time
-    warm_len = max(len(engine.encode(render(chat))) + sum(len(engine.encode(text)) for text in t[1:])
-                   + (len(t) - 1) * sampling.max_tokens for chat, t in zip(chats, turns))
+    # longest prompt; a later turn's, with the answers before it, is as long as its chat and
+    # their max_tokens at most), so no capture falls inside the timed wall time. That bound can
+    # pass what one request may hold (the model's context, the KV pool) where the real later turns
+    # do not, their answers having ended at EOS: the warm-up stops at what a request may be
+    fits = min(engine.model.config.max_position_embeddings - sampling.max_tokens,
+               engine.scheduler.max_request_tokens() - 1)
+    warm_len = max(1, min(max(map(widest, turns)), fits))
     vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
     most = min(batch_size, len(prompts))
     sizes = warmup_batch_sizes(batch_size, len(prompts)) if engine.runner.graphs is not None else [most]

@@ -16,6 +16,7 @@ from specflow.bench.sweep import grid_pipelines, parse_grid
 from specflow.cli import main
 from specflow.config import ConfigError
 from specflow.engine import SpecEngine
+from specflow.sampling import SamplingParams
 from specflow.models.random import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -546,3 +547,44 @@ def test_later_turns_need_the_chat_template(tmp_path, tiny_target):
     with pytest.raises(ConfigError, match="prompts.turns: 0"):
         load_experiment(path, ["prompts.turns=0"])
     assert load_experiment(path, ["prompts.turns=2", "prompts.chat_template=true"])[0].prompts.turns == 2
+
+
+def test_a_later_turn_s_warmup_bound_never_fails_a_run_that_fits(tmp_path):
+    """The warm-up's widest prompt bounds a later turn by answers of max_tokens; where an answer
+    ended at EOS the real turn fits in the KV pool (or the model's context) although that bound
+    does not: the warm-up must stay within what a request may hold, not fail the run."""
+    suite = tmp_path / "question.jsonl"
+    suite.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                 "turns": ["def add(a, b):", "Now in C."]}) + "\n")
+    prompts = load_suite(str(suite))
+    cfg = ExperimentConfig(batch_size=1, sampling=SamplingConfig(max_tokens=190))
+    cfg.prompts.chat_template, cfg.prompts.turns = True, 2
+    engine = SpecEngine(ZOO_TARGET, device="cpu", dtype="float32", max_batch_size=1, kv_cache_tokens=200)
+    first = engine.tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], tokenize=False,
+                                                 add_generation_prompt=True)
+    assert len(engine.encode(first)) + 190 > 200  # (the bound passes the pool: turn 1 and an answer of 190)
+    # a chat target's answer ending at its stop token: here the first token the answer draws
+    engine.eos_token_ids = engine.generate([first], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+    sent = []
+    generate = engine.generate
+    engine.generate = lambda ps, params: sent.extend(len(p) for p in ps if not isinstance(p, str)) or generate(ps, params)
+    rows = run_pipeline(engine, prompts, cfg, "x")
+    assert [(r["id"], r["turn"]) for r in rows] == [("1", 1), ("1/2", 2)]
+    assert sent == [engine.scheduler.max_request_tokens() - 1]  # the warm-up's one request, as long as fits
+
+
+def test_the_warmup_is_as_wide_as_a_later_turn_s_prompt(tmp_path):
+    """A later turn's prompt holds the chat template's tokens around each message too: the
+    warm-up's prompt is at least as long as every timed one (answers of max_tokens, no EOS)."""
+    suite = tmp_path / "question.jsonl"
+    suite.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                 "turns": ["def add(a, b):", "Now in C."]}) + "\n")
+    cfg = ExperimentConfig(batch_size=1, sampling=SamplingConfig(max_tokens=6, ignore_eos=True))
+    cfg.prompts.chat_template, cfg.prompts.turns = True, 2
+    engine = SpecEngine(ZOO_TARGET, device="cpu", dtype="float32", max_batch_size=1)
+    warm, timed = [], []
+    generate = engine.generate
+    engine.generate = lambda ps, params: ((timed if isinstance(ps[0], str) else warm)
+                                          .extend(len(engine.encode(p)) for p in ps) or generate(ps, params))
+    run_pipeline(engine, load_suite(str(suite)), cfg, "x")
+    assert len(timed) == 2 and min(warm) >= max(timed)
