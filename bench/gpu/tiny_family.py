@@ -33,7 +33,8 @@ PIPELINES = ["draft_model", "eagle", "eagle3"]  # transformers' assistant: the d
 REAL = dict(num_prompts=None, max_tokens=None, repeats=1)  # None: all held-out prompts, the config's max_tokens
 TINY = dict(num_prompts=2, max_tokens=8, repeats=1)
 # transformers' assisted generation as its defaults (GenerationConfig, transformers 5) run it, named
-# so that the result records what ran
+# so that the result records what ran; set on the assistant model's generation config, which is where
+# transformers' AssistedCandidateGenerator reads them (generate's keyword arguments of these are ignored)
 ASSISTED = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.4)
 
 
@@ -58,6 +59,8 @@ def run(args) -> dict:
     assistant = next(p for p in pipelines if p.name == "draft_model").drafter["path"]
     hf = AutoModelForCausalLM.from_pretrained(target).to(device=device, dtype=dtype).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(assistant).to(device=device, dtype=dtype).eval()
+    for key, value in ASSISTED.items():  # (read from the assistant's own generation config, not generate's kwargs)
+        setattr(hf_draft.generation_config, key, value)
     last: dict[str, list] = {}  # name -> per prompt outputs of the latest run
 
     def ours(name: str):
@@ -78,7 +81,7 @@ def run(args) -> dict:
         return call
 
     names = [*engines, "hf", "hf_assisted"]
-    fns = [ours(n) for n in engines] + [theirs("hf"), theirs("hf_assisted", assistant_model=hf_draft, **ASSISTED)]
+    fns = [ours(n) for n in engines] + [theirs("hf"), theirs("hf_assisted", assistant_model=hf_draft)]
     seconds = dict(zip(names, gpu.best_seconds(fns, device, s["repeats"])))
     tokens = {n: [o.token_ids for o in last[n]] if n in engines else last[n] for n in names}
     tok_s = {n: sum(map(len, tokens[n])) / seconds[n] for n in names}

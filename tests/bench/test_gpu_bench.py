@@ -101,6 +101,28 @@ def test_tiny_family(tmp_path):
         assert positive(rows[name]["vs_hf_assisted"]) and rows[name]["accept_length"] >= 1
 
 
+def test_tiny_family_runs_transformers_assisted_generation_with_the_settings_it_records(tmp_path, monkeypatch):
+    """transformers' AssistedCandidateGenerator takes num_assistant_tokens and its schedule from the
+    assistant model's generation config: what the result records as hf_assisted_generation must be
+    what ran (here settings other than transformers' defaults, which would otherwise hide it)."""
+    from transformers.generation import candidate_generator
+
+    module = script("tiny_family")
+    monkeypatch.setattr(module, "ASSISTED", dict(module.ASSISTED, num_assistant_tokens=3))
+    seen = []
+    init = candidate_generator.AssistedCandidateGenerator.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append((self.num_assistant_tokens, self.assistant_generation_config.num_assistant_tokens_schedule))
+
+    monkeypatch.setattr(candidate_generator.AssistedCandidateGenerator, "__init__", recording)
+    out = tmp_path / "tiny_family.json"
+    result = module.main(["--tiny", "--out", str(out), "--device", "cpu"])
+    assert result["hf_assisted_generation"]["num_assistant_tokens"] == 3
+    assert seen and set(seen) == {(3, "constant")}
+
+
 def test_random_tree_is_a_bounded_tree():
     depth, mask = script("verify_step").random_tree(64, topk=8, depth=5, gen=torch.Generator().manual_seed(0))
     assert depth[0] == 0 and depth.max() <= 5 and mask.diagonal().all()
