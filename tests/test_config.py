@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from specflow.bench.experiment import PipelineConfig, load_experiment
+from specflow.bench.experiment_config import PipelineConfig, load_experiment
 from specflow.config import ConfigError, build_component, component_config, dump_yaml, load_yaml, validate
 from specflow.engine import SpecEngine
 from specflow.pipeline import EngineConfig

@@ -22,7 +22,7 @@ import drafters  # noqa: F401
 import trees  # noqa: F401
 import verifiers  # noqa: F401
 from specflow.bench import gpu
-from specflow.bench.experiment import load_experiment
+from specflow.bench.experiment_config import load_experiment
 from specflow.bench.prompts import load_suite
 from specflow.engine import SpecEngine
 from specflow.models import load_model, load_tokenizer

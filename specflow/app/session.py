@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from specflow.app.stats import RunStats
-from specflow.bench.experiment import PipelineConfig, SamplingConfig, load_experiment
+from specflow.bench.experiment_config import PipelineConfig, SamplingConfig, load_experiment
 from specflow.config import ConfigError, component_config, load_yaml
 from specflow.engine import SpecEngine
 from specflow.models import CheckpointError, load_model, load_tokenizer

@@ -9,7 +9,8 @@ import itertools
 import json
 from pathlib import Path
 
-from specflow.bench.experiment import RESULT_FILES, PipelineConfig, execute, load_experiment
+from specflow.bench.experiment import RESULT_FILES, execute
+from specflow.bench.experiment_config import PipelineConfig, load_experiment
 from specflow.config import ConfigError
 from specflow.pipeline import Pipeline
 

@@ -7,7 +7,7 @@ import pytest
 from specflow.app.render import render_step
 from specflow.app.session import (NO_DRAFTER, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
                                   stream)
-from specflow.bench.experiment import PipelineConfig
+from specflow.bench.experiment_config import PipelineConfig
 from specflow.cli import main
 from specflow.config import ConfigError
 from specflow.pipeline import EngineConfig

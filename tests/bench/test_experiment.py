@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import (ExperimentConfig, SamplingConfig, acceptance_by_depth, load_experiment,
-                                       run_pipeline, sampling_params, summarize, warmup_batch_sizes)
+from specflow.bench.experiment import acceptance_by_depth, run_pipeline, summarize, warmup_batch_sizes
+from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
+                                              sampling_params)
 from specflow.bench.prompts import load_suite
-from specflow.bench.experiment import PipelineConfig
 from specflow.bench.sweep import grid_pipelines, parse_grid
 from specflow.cli import main
 from specflow.config import ConfigError
@@ -444,7 +444,7 @@ def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_targe
 def test_a_git_that_times_out_leaves_git_dirty_unknown(monkeypatch):
     """git_dirty runs once the baseline has run: a git status past its timeout (a cold index on a
     network disk) must not raise and lose the run."""
-    from specflow.bench import experiment
+    from specflow.bench import provenance
 
     run = subprocess.run
 
@@ -453,8 +453,8 @@ def test_a_git_that_times_out_leaves_git_dirty_unknown(monkeypatch):
             raise subprocess.TimeoutExpired(args, kwargs.get("timeout"))
         return run(args, **kwargs)
 
-    monkeypatch.setattr(experiment.subprocess, "run", slow_status)
-    assert experiment.git_dirty() is None
+    monkeypatch.setattr(provenance.subprocess, "run", slow_status)
+    assert provenance.git_dirty() is None
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram", "self"])
