@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import copy
 import json
 import time
 import uuid
@@ -82,8 +81,8 @@ class OpenAIServing:
         for ids in prompts:
             self.inputs.check_context(ids, max_tokens, "prompt", "max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
-        per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)
-        choices = [(ids, copy.copy(params)) for ids in prompts for params in per_choice]
+        per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)  # (read, never written:
+        choices = [(ids, params) for ids in prompts for params in per_choice]             # prompts share them)
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
