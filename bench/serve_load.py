@@ -6,8 +6,9 @@
 
 It starts two servers on free loopback ports and stops them at the end: the config's, and the same
 config with ``engine.drafter=null`` for "plain", the engine's real plain decoding (overlapped one
-step ahead; a ``"speculative": false`` request on a server with a drafter still takes speculative
-steps, of root-only trees, and keeps its drafter fed). The modes alternate level by level. Every
+step ahead; ``"speculative": false`` requests on a server with a drafter decode so too, feeding the
+drafter, but verify root-only rows of speculative steps beside requests that speculate). The modes
+alternate level by level. Every
 level sends a fixed number of requests with ``ignore_eos`` at temperature 0 (identical work in
 both modes), and the whole run is bounded by ``--timeout``.
 

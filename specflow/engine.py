@@ -35,7 +35,8 @@ class SpecEngine:
     """Speculative decoding over a target model with continuous batching.
 
     ``drafter=None`` decodes autoregressively through the same runtime (the baseline of every
-    speedup), one step ahead of the host (specflow.overlap). Component nodes are
+    speedup), one step ahead of the host (specflow.overlap), as an engine with a drafter does
+    while no running request speculates. Component nodes are
     ``{"type": name, **params}`` mappings (see ``specflow list``). ``check_drafts`` checks every
     drafted tree (structure, token ids in the vocabulary, finite non-negative q) and every verdict
     (a path of the tree, a bonus token in the vocabulary) and names the component that broke one:
@@ -94,7 +95,7 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
-        self._plain = OverlapDecoding(self) if self.drafter is None else None
+        self._plain = OverlapDecoding(self)
         self._spec = SpeculativeDecoding(self) if self.drafter is not None else None
         self._feed = None if self.drafter is None else \
             FeatureFeed(self.drafter.needs, self.runner.cache, self.model.config.hidden_size, self.dtype)
@@ -219,10 +220,14 @@ class SpecEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: prefill newly admitted requests, then one speculative step over the
-        running batch. Returns the outputs of requests that finished in it (plain decoding: whose
-        last tokens landed in it, one step after their forward)."""
+        running batch, or a plain decoding step when no request speculates (no drafter, a batch
+        above ``spec_max_batch_size``, or only ``speculative=False`` requests). Returns the
+        outputs of requests that finished in it (plain decoding: whose last tokens landed in it,
+        one step after their forward)."""
         finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
-        return finished + (self._plain.step() if self.drafter is None else self._spec.step())
+        if self._spec is None or not self._spec.speculating(self.scheduler.running):
+            return finished + self._plain.step()
+        return finished + self._plain.land() + self._spec.step()
 
     def _sampling(self, batch: list[Request], ahead: list[bool] | None = None,
                   drafted: list[int] | None = None) -> SamplingBatch:

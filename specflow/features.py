@@ -56,14 +56,14 @@ class FeatureFeed:
             if not c.last:
                 self.held.setdefault(c.req.id, []).append(self.rows(out, slice(*out.offsets[b:b + 2])))
 
-    def committed(self, reqs: list[Request], bases: list[int], accepted: list[list[int]], out: ExtendOutput) -> None:
-        """After a step's commit: cache the accepted nodes' features where their K/V now lie
-        (logical indices ``base ..``)."""
+    def committed(self, reqs: list[Request], bases: list[int], rows: list[list[int]], out: ExtendOutput) -> None:
+        """After a step's commit: cache the features of each request's committed tokens (flat
+        ``rows`` of ``out``) where their K/V now lie (logical indices ``base ..``)."""
         if self.cache is None:
             return
-        rows = torch.from_numpy(np.concatenate([out.offsets[b] + np.array(acc) for b, acc in enumerate(accepted)]))
-        self.cache.write([r.id for r in reqs], bases, [len(acc) for acc in accepted],
-                         self.rows(out, to_device([rows], out.hidden.device)[0]))
+        flat = torch.from_numpy(np.fromiter((i for rw in rows for i in rw), dtype=np.int64))
+        self.cache.write([r.id for r in reqs], bases, [len(rw) for rw in rows],
+                         self.rows(out, to_device([flat], out.hidden.device)[0]))
 
     def release(self, request_id: int) -> None:
         self.held.pop(request_id, None)
@@ -78,9 +78,11 @@ class FeatureFeed:
                                                   for req, n in zip(reqs, num_new)]))         # prompts are long)
         positions = torch.from_numpy(np.concatenate([np.arange(req.seq_len - n, req.seq_len - 1)
                                                      for req, n in zip(reqs, num_new)]))
-        flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
-                          out.hidden.device)
-        hidden, taps = (None if x is None else list(x.split([len(rw) for rw in rows])) for x in self.rows(out, flat))
+        hidden = taps = None
+        if self.reads:
+            flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
+                              out.hidden.device)
+            hidden, taps = (None if x is None else list(x.split([len(rw) for rw in rows])) for x in self.rows(out, flat))
         for i, req in enumerate(reqs):
             pieces = self.held.pop(req.id, []) if begin else []
             for k, x in enumerate((hidden, taps)):

@@ -1,5 +1,7 @@
 """Plain decoding one step ahead of the host, as SGLang's overlap scheduler runs it: the
-engine's path when it has no drafter (the baseline of every speedup)."""
+engine's path when it has no drafter (the baseline of every speedup), and when no running
+request speculates (above ``spec_max_batch_size``, or every request ``speculative=False``): a
+drafter is then fed each landed token, as a speculative step that verifies its root feeds it."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from torch import Tensor
 from specflow.logprobs import logprob_rows, to_token_logprobs
 from specflow.request import Request, RequestOutput, Status
 from specflow.runtime.kv_cache import OutOfPages
+from specflow.runtime.model_runner import ExtendOutput
 from specflow.runtime.transfer import HostCopy, to_device
 from specflow.sampling import next_tokens
-from specflow.tree import StepRecord
+from specflow.tree import StepRecord, Verdict
 
 if TYPE_CHECKING:
     from specflow.engine import SpecEngine
@@ -30,6 +33,7 @@ class InFlight:
     tokens: Tensor           # [B] int64 on the device: the roots of the next step
     landing: HostCopy        # the same tokens on their way to the host, with logprob_rows' if asked for
     launched: float          # perf_counter at the launch (StepRecord timings)
+    out: ExtendOutput        # the forward's outputs: the roots' target features for a drafter
 
 
 class OverlapDecoding:
@@ -54,13 +58,14 @@ class OverlapDecoding:
                 launched = self._launch(batch) if batch else None
                 break
             except OutOfPages:  # land what is in flight first: it may finish requests and free pages
-                if self.in_flight is None:
-                    finished += self.engine._preempt()
-                else:
-                    flight, self.in_flight = self.in_flight, None
-                    finished += self._land(flight)
+                finished += self.land() if self.in_flight is not None else self.engine._preempt()
         flight, self.in_flight = self.in_flight, launched
         return finished + self._land(flight)
+
+    def land(self) -> list[RequestOutput]:
+        """Land the step in flight, if any, and launch none (before a speculative step)."""
+        flight, self.in_flight = self.in_flight, None
+        return self._land(flight)
 
     def _ahead(self, req: Request) -> int:
         """Tokens of ``req`` in flight (0 or 1)."""
@@ -82,27 +87,29 @@ class OverlapDecoding:
                     fresh.append(r.seq[-1])
             where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.engine.device)
             roots = torch.cat([carried, fresh])[where]                                 # [B]
-        out = self.engine.runner.extend([r.id for r in batch], roots.view(-1, 1))  # positions follow each cache
+        taps = self.engine.drafter.needs.layer_taps if self.engine.drafter is not None else ()
+        out = self.engine.runner.extend([r.id for r in batch], roots.view(-1, 1), taps=taps)  # positions follow each cache
         in_flight, penalties = [i >= 0 for i in rows], self.engine._penalties(batch)
         if penalties is not None and ahead is not None:  # the roots in flight are generated tokens too
             penalties = penalties.after(roots, to_device([torch.tensor(in_flight)], self.engine.device)[0])
         tokens = next_tokens(self.engine._adjusted(out.logits, penalties), self.engine._sampling(batch, in_flight))  # [B]
         top_n = max((r.params.logprobs for r in batch if r.logprobs is not None), default=-1)
         logprobs = logprob_rows(out.logits, tokens, top_n) if top_n >= 0 else []
-        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0)
+        return InFlight(batch, {r.id: b for b, r in enumerate(batch)}, tokens, HostCopy([tokens, *logprobs]), t0, out)
 
     def _land(self, flight: InFlight | None) -> list[RequestOutput]:
-        """Commit ``flight``'s tokens on the host (appends, stop checks, logprobs, step records);
-        requests finished or aborted since its launch are skipped."""
+        """Commit ``flight``'s tokens on the host (appends, stop checks, logprobs, step records,
+        the drafter's commit); requests finished or aborted since its launch are skipped."""
         if flight is None:
             return []
         tokens, *logprobs = flight.landing.wait()
         timings = {"draft": 0.0, "verify": time.perf_counter() - flight.launched}  # launch to landing
-        finished = []
+        landed = []  # (row, request, the root's index in its sequence)
         for b, (req, token) in enumerate(zip(flight.batch, tokens.tolist())):
             if req.status is not Status.RUNNING:
                 continue
             root = req.seq[-1]
+            landed.append((b, req, req.seq_len - 1))
             req.accept_lengths.append(req.append([token]))
             if req.logprobs is not None:
                 req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
@@ -110,6 +117,19 @@ class OverlapDecoding:
                 tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
                 req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings,
                                             len(flight.batch)))
-            if req.finished:
-                finished.append(self.engine._finish(req))
-        return finished
+        if self.engine.drafter is not None and landed:
+            self._commit_drafter(flight.out, landed)
+        return [self.engine._finish(req) for _, req, _ in landed if req.finished]
+
+    def _commit_drafter(self, out: ExtendOutput, landed: list[tuple[int, Request, int]]) -> None:
+        """Feed the drafter each landed request's root with its target features, and the landed
+        token as its next root: the commit of a speculative step that verified its root only."""
+        engine = self.engine
+        engine._feed.committed([req for _, req, _ in landed], [root for _, _, root in landed],
+                               [[out.offsets[b]] for b, _, _ in landed], out)
+        live = [(b, req) for b, req, _ in landed if not req.finished]
+        if live:
+            zeros = torch.zeros(len(live), 1, dtype=torch.long)
+            verdict = Verdict(zeros, zeros[:, 0], torch.tensor([req.seq[-1] for _, req in live]))
+            engine.drafter.commit(verdict, engine._feed.layout([req for _, req in live], [[out.offsets[b]] for b, _ in live],
+                                                               out, [2] * len(live)))

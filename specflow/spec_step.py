@@ -73,6 +73,14 @@ class SpeculativeDecoding:
             greedy=torch.tensor([r.params.greedy for r in batch]),
         )
 
+    def speculating(self, batch: list[Request]) -> list[int]:
+        """The rows of ``batch`` that speculate this step by the engine's policy: none above
+        ``spec_max_batch_size``, else those whose requests ask to."""
+        limit = self.engine.spec_max_batch_size
+        if limit is not None and len(batch) > limit:
+            return []
+        return [i for i, r in enumerate(batch) if r.params.speculative]
+
     def _draft(self, batch: list[Request], roots: Roots) -> tuple[DraftTree, list[int]]:
         """The tree of every request, and the rows that drafted; requests that do not speculate get
         the root only, and so do those whose full trees the target's pool cannot hold: the first
@@ -82,8 +90,7 @@ class SpeculativeDecoding:
         giving up a drawn tree for its size would bias sampled drafts whose size depends on their
         draws."""
         engine = self.engine
-        on = engine.spec_max_batch_size is None or len(batch) <= engine.spec_max_batch_size
-        rows = [i for i, r in enumerate(batch) if on and r.params.speculative]
+        rows = self.speculating(batch)
         while rows and not self._trees_fit(batch, rows):
             rows = rows[:-1] if engine.runner.graphs is None else []
         if not rows:
@@ -156,26 +163,24 @@ class SpeculativeDecoding:
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]
         bases = [r.seq_len - 1 for r in batch]
         engine.runner.commit([r.id for r in batch], bases, accepted_paths)
-        engine._feed.committed(batch, bases, accepted_paths, out)
+        rows = [[out.offsets[b] + i for i in acc] for b, acc in enumerate(accepted_paths)]  # flat rows of out
+        engine._feed.committed(batch, bases, rows, out)
         for b, (req, accepted) in enumerate(zip(batch, accepted_paths)):
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
             req.accept_lengths.append(kept)
             if req.logprobs is not None:  # token i was committed at node accepted[i]
-                logprobs.append((req, [out.offsets[b] + node for node in accepted[:kept]], new[:kept]))
+                logprobs.append((req, rows[b][:kept], new[:kept]))
             if engine.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
                                             new[-1], timings, len(batch)))
             if not req.finished:
-                live.append((b, req, accepted))
+                live.append(b)
         add_token_logprobs(out.logits, logprobs)
         finished = [engine._finish(req) for req in batch if req.finished]
         if live:
-            rows = [b for b, _, _ in live]
             sub = verdict if len(live) == len(batch) else \
-                Verdict(verdict.accepted[rows], verdict.accept_len[rows], verdict.bonus_tokens[rows])
-            engine.drafter.commit(sub, engine._feed.layout(
-                [req for _, req, _ in live],
-                [[out.offsets[b] + i for i in acc] for b, _, acc in live],
-                out, [len(acc) + 1 for _, _, acc in live]))
+                Verdict(verdict.accepted[live], verdict.accept_len[live], verdict.bonus_tokens[live])
+            engine.drafter.commit(sub, engine._feed.layout([batch[b] for b in live], [rows[b] for b in live], out,
+                                                           [len(rows[b]) + 1 for b in live]))
         return finished

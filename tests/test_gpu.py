@@ -173,15 +173,18 @@ def test_an_eagle2_step_waits_for_the_gpu_once(plain, verifier, temperature):
     assert waits["per_step"] <= 1, waits["sites"]
 
 
+@pytest.mark.parametrize("drafter", [None, "eagle3"], ids=["no-drafter", "eagle3-paused"])
 @pytest.mark.parametrize("adjust", [{}, PENALIZED], ids=["plain", "penalized"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_plain_decoding_returns_before_the_gpu_is_done(plain, temperature, adjust):
+def test_plain_decoding_returns_before_the_gpu_is_done(plain, temperature, adjust, drafter):
     """Plain decoding runs one step ahead of the host: a step queues the next forward and its
     sampling (penalties counting the token in flight on the device), then lands the last step's
-    tokens, with no wait for the work it queued. A GPU sleep queued first holds that work back,
-    and the step must return before the sleep is over."""
+    tokens, with no wait for the work it queued; so does an engine whose drafter does not
+    speculate (spec_max_batch_size 0), which also feeds its drafter the landed step. A GPU sleep
+    queued first holds that work back, and the step must return before the sleep is over."""
     backend, target, _ = plain
-    engine = SpecEngine(target.model, tokenizer=target.tokenizer, backend=backend)
+    engine = SpecEngine(target.model, DRAFTERS.get(drafter), tokenizer=target.tokenizer, backend=backend,
+                        spec_max_batch_size=0 if drafter else None)
     rid = engine.add_request(target.encode(PROMPTS[0]), SamplingParams(temperature=temperature, max_tokens=32,
                                                                        ignore_eos=True, seed=0, **adjust))
     for _ in range(4):  # prefill, then steps that capture the decode graph

@@ -133,6 +133,68 @@ def test_lossless_when_speculation_pauses_and_inside_a_union(target, head_dir, p
     assert [o.token_ids for o in union.generate(PROMPTS, GREEDY)] == plain
 
 
+def seen_features(drafter) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+    """Per request, the tokens and target hidden states ``drafter`` is handed by begin and
+    commit, in order (its methods wrapped on the instance)."""
+    seen = {}
+    for name in ("begin", "commit"):
+        def record(*args, method=getattr(drafter, name)):
+            features = args[-1]
+            for rid, tokens, hidden in zip(features.request_ids, features.tokens, features.hidden):
+                toks, rows = seen.setdefault(rid, ([], []))
+                toks += tokens.tolist()
+                rows.append(hidden)
+            return method(*args)
+        setattr(drafter, name, record)
+    return seen
+
+
+@pytest.mark.parametrize("spec_max_batch_size, speculative", [(None, True), (2, True), (None, False)],
+                         ids=["speculating", "paused-then-speculating", "plain"])
+def test_every_committed_token_reaches_the_head_once_with_its_target_feature(target, head_dir, plain,
+                                                                            spec_max_batch_size, speculative):
+    """Speculative steps, plain steps (a batch above spec_max_batch_size, or no request that
+    speculates: overlapped, the drafter fed as each token lands) and the switch between them all
+    hand the head each committed token once, in order, with the target's hidden state there."""
+    eng = SpecEngine(target, drafter={"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024},
+                     tree=TREES["chain"], verifier={"type": "greedy"}, kv_cache_tokens=1024,
+                     spec_max_batch_size=spec_max_batch_size, record_steps=True)
+    seen = seen_features(eng.drafter)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=speculative) for n in (6, 20, 20)]
+    outs = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain, (6, 20, 20))]
+    nodes = [len(step.tree["tokens"]) for step in outs[1].steps]
+    drafted = {(None, True): [4] * 20, (2, True): [1] * 6 + [4] * 14, (None, False): [1] * 20}
+    assert nodes == drafted[spec_max_batch_size, speculative][:len(nodes)]
+    for prompt, out in zip(PROMPTS, outs):
+        assert_fed_every_token(target, seen, prompt, out)
+
+
+def assert_fed_every_token(target, seen, prompt: list[int], out) -> None:
+    """The head was handed ``prompt`` and ``out``'s tokens in order with the target's hidden
+    states, all but the last step's (the drafter is not fed a finished request's)."""
+    seq = prompt + out.token_ids
+    tokens, rows = seen[out.request_id]
+    assert tokens == seq[:len(tokens)] and len(tokens) >= len(seq) - 1 - max(out.accept_lengths)
+    hidden, _ = target_states(target, [seq])[0]
+    torch.testing.assert_close(torch.cat(rows), hidden[:len(tokens)], atol=1e-4, rtol=1e-4)
+
+
+def test_features_cached_by_plain_steps_reach_a_later_request(target, head_dir):
+    """With prefix caching, a request that did not speculate leaves its tokens' target features
+    cached beside their K/V; a later request whose prompt extends into them begins its head
+    with those features."""
+    eng = SpecEngine(target, drafter={"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024},
+                     tree=TREES["chain"], verifier={"type": "greedy"}, kv_cache_tokens=1024, prefix_caching=True)
+    first = eng.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                    speculative=False))[0]
+    seen = seen_features(eng.drafter)
+    prompt = PROMPTS[0] + first.token_ids[:15]
+    second = eng.generate(prompt, GREEDY)[0]
+    assert second.num_cached_tokens == len(prompt) - 1
+    assert_fed_every_token(target, seen, prompt, second)
+
+
 @pytest.fixture(scope="module")
 def fitted(target, tmp_path_factory):
     """An EAGLE head whose fc maps (embed(x_{t+1}), f_t) to the target's f_{t+1} on two greedy
