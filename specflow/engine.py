@@ -1,4 +1,6 @@
-"""SpecEngine: prefill, then speculative steps (draft -> build tree -> verify -> commit)."""
+"""SpecEngine: the engine's API and request lifecycle. Each step prefills admitted requests
+(specflow.prefill), then runs a speculative step (specflow.spec_step: draft -> build tree ->
+verify -> commit) or, when no request speculates, a plain decoding step (specflow.overlap)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,15 @@ from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
 from specflow.features import FeatureFeed
-from specflow.logprobs import add_prompt_logprobs, add_token_logprobs
 from specflow.models import LlamaForCausalLM, load_model, load_tokenizer
 from specflow.overlap import OverlapDecoding
 from specflow.penalties import History, Penalties
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
+from specflow.prefill import Prefill
 from specflow.request import Request, RequestOutput
-from specflow.runtime.kv_cache import OutOfPages
 from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
-from specflow.sampling import SamplingBatch, SamplingParams, next_tokens
-from specflow.scheduler import Chunk, Scheduler
+from specflow.sampling import SamplingBatch, SamplingParams
+from specflow.scheduler import Scheduler
 from specflow.spec_step import SpeculativeDecoding
 
 # the salts of requests whose drafter learns across requests (SamplingBatch.coin_walk): one sequence
@@ -95,6 +96,7 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
+        self._prefill = Prefill(self)
         self._plain = OverlapDecoding(self)
         self._spec = SpeculativeDecoding(self) if self.drafter is not None else None
         self._feed = None if self.drafter is None else \
@@ -224,7 +226,7 @@ class SpecEngine:
         above ``spec_max_batch_size``, or only ``speculative=False`` requests). Returns the
         outputs of requests that finished in it (plain decoding: whose last tokens landed in it,
         one step after their forward)."""
-        finished, self._unclaimed = self._unclaimed + self._prefill(self.scheduler.admit()), []
+        finished, self._unclaimed = self._unclaimed + self._prefill.step(self.scheduler.admit()), []
         if self._spec is None or not self._spec.speculating(self.scheduler.running):
             return finished + self._plain.step()
         return finished + self._plain.land() + self._spec.step()
@@ -252,57 +254,6 @@ class SpecEngine:
     def _adjusted(logits: Tensor, penalties: Penalties | None) -> Tensor:
         """[B, V] logits of the token after each sequence, adjusted by ``penalties``."""
         return logits if penalties is None else penalties.apply(logits[:, None])[:, 0]
-
-    def _prefill(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        """Compute the K/V of this step's chunks of each admitted request's prefill input (a new
-        request's prompt, a resumed one's sequence but its root, the first root).
-
-        A request whose last chunk is among them is ready: a new one samples its first token from
-        the prompt's last logits (a resumed one already has it), and the drafter begins it with
-        the target features of its whole input (those of earlier chunks held until then).
-        """
-        if not chunks:
-            return []
-        reqs = [c.req for c in chunks]
-        needs = self.drafter.needs if self.drafter else None
-        try:
-            out = self.runner.extend([r.id for r in reqs], [r.prefill_ids[c.start:c.end] for r, c in zip(reqs, chunks)],
-                                     logits="last", taps=needs.layer_taps if needs else ())
-        except OutOfPages:
-            self.scheduler.requeue(chunks)
-            return []
-        if self._feed is not None:
-            self._feed.prefilled(chunks, out)
-        fresh = [not r.output_ids for r in reqs]
-        add_prompt_logprobs(self.model, [(b, c.req, c.start, c.last) for b, c in enumerate(chunks)
-                                         if fresh[b] and c.req.prompt_logprobs is not None], out)
-        for c in chunks:
-            c.req.prefilled = c.end
-            if c.first and not c.req.output_ids and not c.req.prefill_began:  # (once: not after a preemption)
-                c.req.num_cached_tokens, c.req.prefill_began = c.start, True
-            if c.last and self.runner.cache.prefix is not None:
-                self.runner.cache.insert(c.req.id, c.req.prefill_ids)
-        rows = [b for b, c in enumerate(chunks) if c.last and fresh[b]]  # (a resumed request's generator draws nothing)
-        logits = out.logits if len(rows) == len(reqs) else out.logits[rows]
-        drawing = [reqs[b] for b in rows]
-        first = next_tokens(self._adjusted(logits, self._penalties(drawing)), self._sampling(drawing))
-        first = dict(zip(rows, first.tolist()))
-        live, logprobs = [], []
-        for b, req in enumerate(reqs):
-            if b in first:
-                req.append([first[b]])
-                if req.logprobs is not None:
-                    logprobs.append((req, [b], [first[b]]))
-            if chunks[b].last and not req.finished:
-                live.append((b, req))
-        add_token_logprobs(out.logits, logprobs)
-        finished = [self._finish(req) for req in reqs if req.finished]
-        if self.drafter is not None and live:
-            self._drafting.update(req.id for _, req in live)
-            self.drafter.begin(self._feed.layout(
-                [req for _, req in live], [list(range(out.offsets[b], out.offsets[b + 1])) for b, _ in live],
-                out, [req.prefill_len + 1 for _, req in live], begin=True))
-        return finished
 
     def _preempt(self) -> list[RequestOutput]:
         """Out of pages mid-step: requeue the request being prefilled in chunks, else the newest
