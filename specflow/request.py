@@ -11,7 +11,8 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from specflow.logprobs import TokenLogprob
-from specflow.sampling import SamplingParams, make_generator, request_seed, salted_seeds
+from specflow.sampling import SamplingParams
+from specflow.uniforms import make_generator, request_seed, salted_seeds
 from specflow.tree import StepRecord
 
 

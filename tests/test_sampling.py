@@ -6,7 +6,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from specflow.sampling import SamplingBatch, SamplingParams, counter_uniforms, next_tokens, sample_rows, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, next_tokens, sample_rows, target_probs
+from specflow.uniforms import counter_uniforms
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specflow.sampling import SamplingBatch, SamplingParams, make_generator, target_probs
+from specflow.sampling import SamplingBatch, SamplingParams, target_probs
+from specflow.uniforms import make_generator
 from specflow.tree import DraftTree, Expansion, Frontier, Roots
 from tests.stateless import StatelessDrafter
 
