@@ -10,13 +10,11 @@ Two scopes share one answer format, ``Follower = (token, count, recency)``:
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from specflow.protocols import TargetFeatures, TargetNeeds
+from drafters.lookup import draft_paths, ranked_expansion
 from specflow.registry import DRAFTERS
 from specflow.tree import Expansion, Frontier, Verdict
 
@@ -256,13 +254,14 @@ class NgramDrafter:
         if frontier.want_probs and self.vocab_size is None:
             raise ValueError("ngram drafter: want_probs needs the vocabulary size; build it with "
                              "NgramDrafter(..., vocab_size=V) or from_config(cfg, vocab_size=V)")
-        parents, tree_tokens = frontier.tree.parents.tolist(), frontier.tree.tokens.tolist()
-        answers = []
-        for b, nodes in enumerate(frontier.nodes.tolist()):
-            rid, context = frontier.roots.request_ids[b], frontier.roots.contexts[b]
-            answers.append([self._followers(rid, context, _path_tokens(parents[b], tree_tokens[b], node))
-                            if node >= 0 else [] for node in nodes])
-        return _expansion(answers, frontier, self.vocab_size)
+        roots = frontier.roots
+        answers = [[[] if path is None else self._ranked(roots.request_ids[b], roots.contexts[b], path) for path in paths]
+                   for b, paths in enumerate(draft_paths(frontier))]
+        return ranked_expansion(answers, frontier, self.vocab_size)
+
+    def _ranked(self, rid: int, context: list[int], path: list[int]) -> list[tuple[int, int]]:
+        """(token, count) of the followers, most counted first, then most recent."""
+        return [(t, c) for t, c, _ in sorted(self._followers(rid, context, path), key=lambda x: (-x[1], -x[2]))]
 
     def _followers(self, rid: int, context: list[int], path: list[int]) -> list[Follower]:
         if self.trie is None:
@@ -291,37 +290,3 @@ def _committed(features: TargetFeatures) -> list[list[int]]:
     assert len(features.contexts) == len(features.request_ids), \
         "TargetFeatures.contexts must carry every request's committed ids"
     return features.contexts
-
-
-def _path_tokens(parents: list[int], tokens: list[int], node: int) -> list[int]:
-    """Tokens from below the root down to ``node`` (the root is already the last context token)."""
-    path = []
-    while parents[node] >= 0:
-        path.append(tokens[node])
-        node = parents[node]
-    return path[::-1]
-
-
-def _expansion(answers: list[list[list[Follower]]], frontier: Frontier,
-               vocab_size: int | None) -> Expansion:
-    """[B][F] follower lists -> top-k Expansion (count desc, then most recent first)."""
-    (b, f), k = frontier.nodes.shape, frontier.k
-    tokens = [[[0] * k for _ in row] for row in answers]
-    logprobs = [[[-math.inf] * k for _ in row] for row in answers]
-    q_index, q_value = [], []  # (b, f, token) entries of q and their probabilities
-    for i, row in enumerate(answers):
-        for j, found in enumerate(row):
-            total = sum(count for _, count, _ in found)
-            for rank, (token, count, _) in enumerate(sorted(found, key=lambda x: (-x[1], -x[2]))[:k]):
-                tokens[i][j][rank], logprobs[i][j][rank] = token, math.log(count / total)
-            q_index += [(i, j, token) for token, _, _ in found]
-            q_value += [count / total for _, count, _ in found]
-    device = frontier.nodes.device
-    probs = None
-    if frontier.want_probs:
-        probs = torch.zeros((b, f, vocab_size), device=device)
-        if q_index:
-            at = torch.tensor(q_index, device=device).T  # [3, entries]
-            probs[at[0], at[1], at[2]] = torch.tensor(q_value, device=device)
-    return Expansion(tokens=torch.tensor(tokens, dtype=torch.long, device=device).view(b, f, k),
-                     logprobs=torch.tensor(logprobs, device=device).view(b, f, k), probs=probs)

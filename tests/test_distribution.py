@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from drafters.ngram import _expansion, _path_tokens
+from drafters.lookup import draft_paths, ranked_expansion
 from specflow import SamplingParams, SpecEngine
 from specflow.bench.distribution import (NEW_TOKENS, PARAMS, PROMPT, VOCAB, check_lossless, chi_square_pvalue,
                                          continuation, exact_joint, sampled_counts, small_target)
@@ -176,12 +176,10 @@ class SharedCounts:
             self.counted[rid] = len(ids)
 
     def expand(self, frontier):
-        parents, tokens = frontier.tree.parents.tolist(), frontier.tree.tokens.tolist()
-        answers = [[[] if node < 0 else [(t, 1 + seen[t], 0) for t in range(V)]
-                    for node in nodes
-                    for seen in [self.seen[tuple(frontier.roots.contexts[b] + _path_tokens(parents[b], tokens[b], node))]]]
-                   for b, nodes in enumerate(frontier.nodes.tolist())]
-        return _expansion(answers, frontier, V)
+        answers = [[[] if path is None else sorted(((t, 1 + seen[t]) for t in range(V)), key=lambda x: -x[1])
+                    for path in paths for seen in [self.seen[tuple(frontier.roots.contexts[b] + path)]]]
+                   for b, paths in enumerate(draft_paths(frontier))]
+        return ranked_expansion(answers, frontier, V)
 
 
 def test_requests_of_one_seed_draw_their_sampled_drafts_apart_with_a_drafter_shared_between_them(small_vocab):
