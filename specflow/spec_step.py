@@ -51,14 +51,15 @@ class SpeculativeDecoding:
             if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
                 tree = tree.to(engine.device)
             verdict = self._verify(tree, out, batch, drafted)
-            # the verdict and the tree's tokens come to the host in one copy: with a beam's tree
-            # and the greedy verifier, the step's one wait for the device
-            *verdict, tokens = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens, tree.tokens])
+            # the verdict, the tree's tokens and each row's deepest valid node come to the host in
+            # one copy: with a beam's tree and the greedy verifier, the step's one wait for the device
+            *verdict, tokens, depths = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens,
+                                                tree.tokens, (tree.depth * tree.valid).amax(1)])  # depths [B]
             if engine.check_drafts and tree.num_nodes > 1:  # (a root-only step's verdict is the engine's own)
                 engine.pipeline.check_verdict(tree, Verdict(*verdict), engine.model.config.vocab_size)
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
-            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings)
+            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings, depths.tolist())
             break
         return finished
 
@@ -153,9 +154,10 @@ class SpeculativeDecoding:
         return Verdict(zeros, zeros[:, 0], bonus)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
-                out: ExtendOutput, timings: dict[str, float]) -> list[RequestOutput]:
+                out: ExtendOutput, timings: dict[str, float], depths: list[int]) -> list[RequestOutput]:
         """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
-        ``verdict`` is on the host and ``tokens`` are the tree's."""
+        ``verdict`` is on the host, ``tokens`` are the tree's and ``depths`` each row's deepest
+        valid node."""
         engine = self.engine
         finished, live, logprobs = [], [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
@@ -169,6 +171,7 @@ class SpeculativeDecoding:
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
             req.accept_lengths.append(kept)
+            req.draft_depths.append(depths[b])
             if req.logprobs is not None:  # token i was committed at node accepted[i]
                 logprobs.append((req, rows[b][:kept], new[:kept]))
             if engine.record_steps:

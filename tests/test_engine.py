@@ -325,6 +325,32 @@ def test_step_records_say_how_many_requests_shared_the_step(tiny_target):
     assert all(a.timings == b.timings for a, b in zip(short.steps, long.steps))
 
 
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_draft_depths_are_each_step_s_tree_depth_and_zero_where_nothing_was_drafted(tiny_target, drafter):
+    """Three requests above spec_max_batch_size decode plainly until the first finishes; then the
+    one that opted out verifies its root beside the other's tree (after one plain step of the two
+    launched ahead). A step's draft depth is its tree's deepest valid node's: 0 where the request
+    drafted nothing (the target drafting itself always fills its chain of 3; an n-gram miss
+    drafts nothing)."""
+    node = {"type": drafter, "path": str(tiny_target)} if drafter == "draft_model" else {"type": "ngram"}
+    e = SpecEngine(tiny_target, node, {"type": "chain", "depth": 3}, {"type": "greedy"}, device="cpu",
+                   dtype="float32", spec_max_batch_size=2, record_steps=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=spec)
+              for n, spec in ((6, True), (14, False), (30, True))]
+    outs = e.generate(PROMPTS, params)
+    steps = []  # (draft depth, whether the request speculated in the step) of every step
+    for out, p in zip(outs, params):
+        assert len(out.draft_depths) == len(out.accept_lengths) == len(out.steps)
+        for depth, n, step in zip(out.draft_depths, out.accept_lengths, out.steps):
+            assert depth == max(d for d, ok in zip(step.tree["depth"], step.tree["valid"]) if ok)
+            assert n - 1 <= depth
+            # (a plain step's record holds the root alone, a speculative step's a tree of 4 nodes)
+            steps.append((depth, p.speculative and len(step.tree["depth"]) > 1))
+    assert {speculated for _, speculated in steps} == {False, True}  # (both kinds of step ran)
+    assert {d for d, speculated in steps if not speculated} == {0}
+    assert {d for d, speculated in steps if speculated} == ({3} if drafter == "draft_model" else {0, 3})
+
+
 class BrokenDrafter(StatelessDrafter):
     """Proposes token ``token`` under every node, with q ``q_value`` everywhere when asked."""
 

@@ -23,7 +23,8 @@ from specflow.registry import plugin_sources
 from specflow.runtime.cuda_graph import capture_sizes
 
 
-ROW_KEYS = ("id", "category", "turn", "tokens", "steps", "accept_lengths", "seconds", "batch")  # rows.jsonl
+ROW_KEYS = ("id", "category", "turn", "tokens", "steps", "accept_lengths", "draft_depths", "seconds",
+            "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 
@@ -90,6 +91,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                                  "turn": turn + 1, "batch": batch, "seconds": seconds,
                                  "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
                                  "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
+                                 "draft_depths": out.draft_depths,
                                  "token_ids": out.token_ids, "step_records": out.steps})
                     if turn + 1 < len(turns[i]):
                         chats[i] += [{"role": "assistant", "content": out.text},
@@ -145,7 +147,8 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
     lat = torch.tensor([r["seconds"] for r in rows])
     summary = stats(rows, baseline, timed=True)
     summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
-    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"]])
+    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"]],
+                                                         [d for r in rows for d in r["draft_depths"]])
     summary["categories"] = {}
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]
@@ -162,12 +165,24 @@ def mean_tokens_per_s(rows: list[dict]) -> float:
     return sum(r["tokens"] / max(r["seconds"], 1e-9) for r in rows) / len(rows)
 
 
-def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:
-    """EAGLE's per-depth acceptance rates from the tokens each step committed (drafts + bonus):
-    entry d - 1 is the share of steps that accepted a depth-d draft among those that accepted
-    depth d - 1 (depth 0: every step), up to the deepest accepted depth."""
-    reached = [sum(n - 1 >= d for n in accept_lengths) for d in range(max(accept_lengths, default=1))]
-    return [reached[d] / reached[d - 1] for d in range(1, len(reached))]
+def acceptance_by_depth(accept_lengths: list[int], draft_depths: list[int]) -> list[float]:
+    """EAGLE's per-depth acceptance rates, from each step's committed tokens (``accept_lengths``:
+    drafts + bonus, so n - 1 accepted drafts) and its tree's depth (``draft_depths``, 0 for a
+    step that drafted nothing). Entry d - 1 is the share of steps that accepted a depth-d draft
+    among those that tried one: accepted depth d - 1 and drafted a tree reaching depth d. A step
+    whose tree stopped short of d (a root-only step, a shallower dynamic tree, an n-gram miss)
+    is no rejection at d. Up to the deepest depth some step tried (the counts tried only fall
+    with d)."""
+    assert len(accept_lengths) == len(draft_depths), "one tree depth per step"
+    steps = list(zip(accept_lengths, draft_depths))
+    assert all(n - 1 <= depth for n, depth in steps), "a step accepts no draft deeper than its tree"
+    rates = []
+    for d in range(1, max(draft_depths, default=0) + 1):
+        tried = [n - 1 >= d for n, depth in steps if n >= d and depth >= d]  # accepted depth d - 1, drafted d
+        if not tried:
+            break
+        rates.append(sum(tried) / len(tried))
+    return rates
 
 
 def failed_pipelines(results: dict) -> str:

@@ -79,11 +79,17 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     rows = read_jsonl(out / "rows.jsonl")
     assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
                                                           for b in (0, 1)]
-    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "steps", "accept_lengths", "seconds", "batch"}
+    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "steps", "accept_lengths", "draft_depths",
+                            "seconds", "batch"}
     steps = read_jsonl(out / "steps.jsonl")
     for r in rows:
         mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
         assert len(mine) == r["steps"] and all(len(s["accepted"]) >= 1 for s in mine)
+        # each step's tree depth: its deepest valid node's, as the step record holds the tree
+        assert r["draft_depths"] == [max(d for d, ok in zip(s["tree"]["depth"], s["tree"]["valid"]) if ok)
+                                     for s in mine]
+    assert {d for r in rows if r["pipeline"] == "baseline" for d in r["draft_depths"]} == {0}
+    assert max(d for r in rows if r["pipeline"] == "self-eagle2" for d in r["draft_depths"]) == 3
     assert {"tree", "bonus_token", "timings"} <= set(steps[-1])
 
     # a sampled run matches the seeded baseline where the verifier follows the target's draws
@@ -108,8 +114,8 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
 def test_tokens_per_s_counts_each_batch_once():
     def rows(seconds: tuple[float, float]) -> list[dict]:  # batch 0 holds two code prompts, batch 1 two others
         return [{"id": str(i), "category": cat, "batch": i // 2, "seconds": seconds[i // 2], "tokens": 10,
-                 "steps": 5, "step_tokens": 10, "accept_lengths": [2] * 5, "token_ids": [i] * 10}
-                for i, cat in enumerate(["code", "code", "math", "chat"])]
+                 "steps": 5, "step_tokens": 10, "accept_lengths": [2] * 5, "draft_depths": [3] * 5,
+                 "token_ids": [i] * 10} for i, cat in enumerate(["code", "code", "math", "chat"])]
 
     summary = summarize(rows((1.0, 2.0)), rows((2.0, 4.0)))
     assert summary["tokens_per_s"] == pytest.approx(40 / 3) and summary["speedup"] == pytest.approx(2.0)
@@ -124,7 +130,8 @@ def test_speedup_mean_per_prompt_is_spec_bench_s_ratio_of_mean_per_prompt_tokens
     per-prompt tokens/s instead, which weighs a short, fast prompt as much as a long one."""
     def rows(seconds: tuple[float, float]) -> list[dict]:  # one prompt a batch
         return [{"id": str(i), "category": "code", "batch": i, "seconds": seconds[i], "tokens": 10, "steps": 5,
-                 "step_tokens": 10, "accept_lengths": [2] * 5, "token_ids": [i] * 10} for i in range(2)]
+                 "step_tokens": 10, "accept_lengths": [2] * 5, "draft_depths": [3] * 5, "token_ids": [i] * 10}
+                for i in range(2)]
 
     summary = summarize(rows((1.0, 4.0)), rows((2.0, 5.0)))
     assert summary["speedup"] == pytest.approx((20 / 5) / (20 / 7))
@@ -195,7 +202,8 @@ def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch
     def timed_rows(engine, prompts, cfg, name):
         t = next(times)
         return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "tokens": 4, "steps": 3,
-                 "step_tokens": 3, "accept_lengths": [1] * 3, "token_ids": [0] * 4, "step_records": []}
+                 "step_tokens": 3, "accept_lengths": [1] * 3, "draft_depths": [0] * 3, "token_ids": [0] * 4,
+                 "step_records": []}
                 for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(experiment, "run_pipeline", timed_rows)
@@ -398,9 +406,24 @@ def test_question_jsonl_loader():
 
 
 def test_acceptance_by_depth_is_conditional_on_the_depth_before():
-    # drafts accepted per step: 0, 0, 1, 2, 3 -> depth 1: 3 of 5 steps, depth 2: 2 of those 3, depth 3: 1 of 2
-    assert acceptance_by_depth([1, 1, 2, 3, 4]) == [3 / 5, 2 / 3, 1 / 2]
-    assert acceptance_by_depth([1, 1]) == [] and acceptance_by_depth([]) == []
+    # drafts accepted per step: 0, 0, 1, 2, 3 of trees of depth 3 -> depth 1: 3 of 5 steps,
+    # depth 2: 2 of those 3, depth 3: 1 of 2
+    assert acceptance_by_depth([1, 1, 2, 3, 4], [3] * 5) == [3 / 5, 2 / 3, 1 / 2]
+    # trees of depth 4: the step that accepted depth 3 tried depth 4 too, and missed
+    assert acceptance_by_depth([1, 1, 2, 3, 4], [4] * 5) == [3 / 5, 2 / 3, 1 / 2, 0.0]
+    assert acceptance_by_depth([1, 1], [2, 2]) == [0.0] and acceptance_by_depth([], []) == []
+
+
+def test_acceptance_by_depth_counts_no_rejection_where_the_tree_stopped():
+    """A step that drafted nothing (root only: plain decoding, an n-gram miss, a tree the pool
+    cut) or a tree shallower than d tried no draft at d: no rejection there."""
+    # the steps above, and root-only steps that committed their bonus token only
+    assert acceptance_by_depth([1, 1, 2, 3, 4] + [1] * 5, [3] * 5 + [0] * 5) == [3 / 5, 2 / 3, 1 / 2]
+    assert acceptance_by_depth([1, 1, 1], [0, 0, 0]) == []
+    # a dynamic tree of depth 1 that accepted its draft: a success at depth 1, never tried at depth 2
+    assert acceptance_by_depth([2, 2, 3], [1, 1, 2]) == [1.0, 1.0]
+    # depth 2: tried by the two steps that accepted depth 1 in trees of depth >= 2
+    assert acceptance_by_depth([2, 2, 3, 1], [1, 2, 2, 2]) == [3 / 4, 1 / 2]
 
 
 def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_target):
