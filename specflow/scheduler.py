@@ -64,6 +64,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefilling: Request | None = None  # admitted, prefilled in chunks: not running yet
+        # the queue head the pool could not hold: (it, the pages it matched, prefix.num_inserted then)
+        self._waiting_match: tuple[Request, int, int] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -89,21 +91,27 @@ class Scheduler:
                 self.prefilling = None
         while self.waiting and budget > 0 and len(ids) < self.max_batch_size:
             head = self.waiting[0]
+            ids.append(head.id)
+            lens.append(head.seq_len + (n if len(ids) > 1 else 1))
             # its cached prefix (not with prompt logprobs: they need every prompt token's logits),
-            # all but the last token, whose logits sample the first
+            # all but the last token, whose logits sample the first; not looked up again for a
+            # head that did not fit and could not now were its match longer by every page cached
+            # since (a long prefix takes milliseconds to match, and a waiting head every step)
             if self.cache.prefix is not None and head.prompt_logprobs is None:
+                if not self.cache.fits(ids, lens, cached=self._most_cached(head)):
+                    break
                 head.prefilled = self.cache.match(head.id, head.prefill_ids[:head.prefill_len - 1])
                 if any(self._sharable(head, c.req) - head.prefilled > SHARED_PREFIX_WAIT for c in chunks):
                     self._unmatch(head)
                     break
-            lookahead = n if ids else 1
-            if not self.cache.fits(ids + [head.id], lens + [head.seq_len + lookahead]):
+            if not self.cache.fits(ids, lens):
+                if self.cache.prefix is not None:
+                    self._waiting_match = (head, head.prefilled // self.cache.page_size, self.cache.prefix.num_inserted)
                 self._unmatch(head)
                 break
-            ids.append(head.id)
-            lens.append(head.seq_len + lookahead)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
+            self._waiting_match = None  # (its prefill grows once it runs: a later wait matches afresh)
             chunks.append(Chunk(req, req.prefilled, int(min(req.prefill_len, req.prefilled + budget)), True))
             budget -= chunks[-1].end - chunks[-1].start
             if not chunks[-1].last:  # (the bound is spent: one request at a time is prefilled in chunks)
@@ -147,6 +155,14 @@ class Scheduler:
         ``head`` can match (all but its last token)."""
         common = min(common_prefix(head.prefill_ids, other.prefill_ids), other.prefill_len, head.prefill_len - 1)
         return common // self.cache.page_size * self.cache.page_size
+
+    def _most_cached(self, head: Request) -> int:
+        """The most pages ``head``'s match can hold: its last match's (when it did not fit) and
+        every page cached since, else its whole prefill but the last token."""
+        if self._waiting_match is not None and self._waiting_match[0] is head:
+            _, pages, inserted = self._waiting_match
+            return pages + self.cache.prefix.num_inserted - inserted
+        return (head.prefill_len - 1) // self.cache.page_size
 
     def _unmatch(self, req: Request) -> None:
         """Let go of the cached prefix a request not admitted took."""

@@ -4,6 +4,7 @@ and every output, logprob and draft (hence accept length) is that of an engine w
 import pytest
 
 from specflow.engine import SpecEngine
+from specflow.request import Status
 from specflow.sampling import SamplingParams
 from tests.test_chunked_prefill import DRAFTERS, engine, prefill_sizes
 
@@ -185,3 +186,27 @@ def test_an_eagle_request_whose_first_build_was_given_up_then_out_of_pages_commi
     runner.release([1, 2])
     cache.release(99)
     assert cache.num_pages_used == cache.prefix.num_evictable
+
+
+def test_a_waiting_head_is_matched_again_only_when_it_could_fit():
+    """A queue head the pool cannot hold is matched once, and not again every step while it
+    waits (milliseconds for a long prefix): not until the pool could hold it were its match
+    longer by every page cached since. Once the running request ends, it runs with its cached
+    prefix, as alone."""
+    eng = engine(prefix_caching=True, kv_cache_tokens=160, max_batch_size=4)
+    long = SYSTEM + "".join(f"x{i} = {i}\n" for i in range(12))
+    alone = one_at_a_time(engine(), [long])[0]
+    eng.generate([SYSTEM], GREEDY)  # the system prompt's pages cached
+    running = eng.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=110, ignore_eos=True))
+    for _ in range(70):  # (the pool then has fewer free pages than the head's tokens past the system prompt)
+        eng.step()
+    head = eng.add_request(long, GREEDY)
+    prefix = eng.runner.cache.prefix
+    matched, match = [], prefix.match
+    prefix.match = lambda *a, **kw: matched.append(len(eng.scheduler.running)) or match(*a, **kw)
+    outputs, waited = {}, 0
+    while eng.has_unfinished():
+        outputs.update({o.request_id: o for o in eng.step()})
+        waited += head in eng._requests and eng._requests[head].status is Status.WAITING
+    assert waited > 20 and matched == [1, 0]  # matched when it came, then once the running request had ended
+    assert outputs[head].token_ids == alone.token_ids and outputs[head].num_cached_tokens > 0

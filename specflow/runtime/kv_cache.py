@@ -108,9 +108,10 @@ class PagedKVCache:
         """Pages an allocation can take: the free ones and the cached ones no table holds."""
         return self.allocator.num_free + (self.prefix.num_evictable if self.prefix else 0)
 
-    def fits(self, request_ids: list[int], num_tokens: list[int]) -> bool:
-        """Whether ``reserve(request_ids, num_tokens)`` would find the pages."""
-        return sum(self._extra_pages(request_ids, num_tokens)) <= self.num_available
+    def fits(self, request_ids: list[int], num_tokens: list[int], cached: int = 0) -> bool:
+        """Whether ``reserve(request_ids, num_tokens)`` would find the pages, when ``cached`` of
+        them come from the prefix cache without costing any (a bound for a request not matched yet)."""
+        return sum(self._extra_pages(request_ids, num_tokens)) - cached <= self.num_available
 
     def _extra_pages(self, request_ids: list[int], num_tokens: list[int]) -> list[int]:
         return [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))

@@ -30,6 +30,7 @@ class PrefixCache:
         self._children: dict[int, int] = {}                       # cached page -> cached pages keyed by it
         self._refs: dict[int, int] = {}                           # cached page -> block tables holding it
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached pages no table holds, LRU first
+        self.num_inserted = 0  # pages ever cached: a prefix's match grows only by pages cached since
 
     @property
     def num_cached(self) -> int:
@@ -68,6 +69,7 @@ class PrefixCache:
                 if key in self._page:
                     return
                 self._page[key], self._key[page], self._refs[page], self._children[page] = page, key, 1, 0
+                self.num_inserted += 1
                 if parent >= 0:
                     self._children[parent] += 1
             parent = page

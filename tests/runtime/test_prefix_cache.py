@@ -1,6 +1,7 @@
 """Prefix caching's page index against a model of what every page holds: whatever requests come,
 share, finish and evict, a matched page holds exactly the tokens it was matched for, no page is
-held twice or lost, and eviction never drops a page another table holds."""
+held twice or lost, eviction never drops a page another table holds, and a prefix's match grows
+only by the pages cached since its last."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ def test_matched_pages_hold_the_tokens_they_were_matched_for(ops, page_size, num
     cache = PagedKVCache(1, 1, 1, num_pages=num_pages, page_size=page_size, prefix_caching=True)
     holds = np.full(num_pages * page_size, -1)             # the token each slot holds (-1: none)
     running: list[int] = []
+    last_match: dict[tuple[int, ...], tuple[int, int]] = {}  # tokens -> (pages matched, num_inserted then)
     for rid, op in enumerate(ops):
         if isinstance(op, int):                            # a running request finishes
             if running:
@@ -28,6 +30,10 @@ def test_matched_pages_hold_the_tokens_they_were_matched_for(ops, page_size, num
         tokens = op
         matched = cache.match(rid, tokens[:-1])
         assert matched % page_size == 0 and matched <= len(tokens) - 1
+        if tuple(tokens) in last_match:  # a match grows only by the pages cached since (Scheduler's bound)
+            pages, inserted = last_match[tuple(tokens)]
+            assert matched // page_size <= pages + cache.prefix.num_inserted - inserted
+        last_match[tuple(tokens)] = matched // page_size, cache.prefix.num_inserted
         if matched:
             assert holds[cache.batch_slot_array([rid], [matched])[0]].tolist() == tokens[:matched]
         try:
