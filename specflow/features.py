@@ -57,8 +57,9 @@ class FeatureFeed:
                 self.held.setdefault(c.req.id, []).append(self.rows(out, slice(*out.offsets[b:b + 2])))
 
     def committed(self, reqs: list[Request], bases: list[int], rows: list[list[int]], out: ExtendOutput) -> None:
-        """After a step's commit: cache the features of each request's committed tokens (flat
-        ``rows`` of ``out``) where their K/V now lie (logical indices ``base ..``)."""
+        """After a step's commit (a plain step's launch: its roots, whose K/V it writes): cache the
+        features of each request's committed tokens (flat ``rows`` of ``out``) where their K/V now
+        lie (logical indices ``base ..``)."""
         if self.cache is None:
             return
         flat = torch.from_numpy(np.fromiter((i for rw in rows for i in rw), dtype=np.int64))

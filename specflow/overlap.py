@@ -89,6 +89,10 @@ class OverlapDecoding:
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         taps = self.engine.drafter.needs.layer_taps if self.engine.drafter is not None else ()
         out = self.engine.runner.extend([r.id for r in batch], roots.view(-1, 1), taps=taps)  # positions follow each cache
+        if self.engine._feed is not None:  # the roots' features beside their K/V, as it is written: a request
+            # ended before this step lands (a stop, an abort) leaves its root's K/V to the prefix cache
+            self.engine._feed.committed(batch, [self.engine.runner.kv_len(r.id) - 1 for r in batch],
+                                        [[out.offsets[b]] for b in range(len(batch))], out)
         in_flight, penalties = [i >= 0 for i in rows], self.engine._penalties(batch)
         if penalties is not None and ahead is not None:  # the roots in flight are generated tokens too
             penalties = penalties.after(roots, to_device([torch.tensor(in_flight)], self.engine.device)[0])
@@ -104,12 +108,12 @@ class OverlapDecoding:
             return []
         tokens, *logprobs = flight.landing.wait()
         timings = {"draft": 0.0, "verify": time.perf_counter() - flight.launched}  # launch to landing
-        landed = []  # (row, request, the root's index in its sequence)
+        landed = []  # (row, request)
         for b, (req, token) in enumerate(zip(flight.batch, tokens.tolist())):
             if req.status is not Status.RUNNING:
                 continue
             root = req.seq[-1]
-            landed.append((b, req, req.seq_len - 1))
+            landed.append((b, req))
             req.accept_lengths.append(req.append([token]))
             req.draft_depths.append(0)  # (no draft)
             if req.logprobs is not None:
@@ -120,15 +124,13 @@ class OverlapDecoding:
                                             len(flight.batch)))
         if self.engine.drafter is not None and landed:
             self._commit_drafter(flight.out, landed)
-        return [self.engine._finish(req) for _, req, _ in landed if req.finished]
+        return [self.engine._finish(req) for _, req in landed if req.finished]
 
-    def _commit_drafter(self, out: ExtendOutput, landed: list[tuple[int, Request, int]]) -> None:
+    def _commit_drafter(self, out: ExtendOutput, landed: list[tuple[int, Request]]) -> None:
         """Feed the drafter each landed request's root with its target features, and the landed
         token as its next root: the commit of a speculative step that verified its root only."""
         engine = self.engine
-        engine._feed.committed([req for _, req, _ in landed], [root for _, _, root in landed],
-                               [[out.offsets[b]] for b, _, _ in landed], out)
-        live = [(b, req) for b, req, _ in landed if not req.finished]
+        live = [(b, req) for b, req in landed if not req.finished]
         if live:
             zeros = torch.zeros(len(live), 1, dtype=torch.long)
             verdict = Verdict(zeros, zeros[:, 0], torch.tensor([req.seq[-1] for _, req in live]))

@@ -270,3 +270,31 @@ def test_token_map_files(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 1, 99]")
     with pytest.raises(CheckpointError, match="distinct token ids in 0..9"):
         load_token_map(tmp_path / "bad.json", 10)
+
+
+@pytest.mark.parametrize("end", ["stop", "abort"])
+def test_a_plain_request_ended_with_its_step_in_flight_caches_features_beside_all_its_kv(target, head_dir,
+                                                                                        plain, end):
+    """A plain request that a stop token or an abort ends while its next step is in flight
+    leaves that step's root K/V (its last token's) to the prefix cache: its feature is cached
+    beside it, so a later request whose prompt runs past that token begins its head with it."""
+    eng = SpecEngine(target, drafter={"type": "eagle", "path": str(head_dir), "kv_cache_tokens": 1024},
+                     tree=TREES["chain"], verifier={"type": "greedy"}, kv_cache_tokens=1024, prefix_caching=True)
+    ref = plain[0]
+    k = next(i for i in range(8, 20) if ref[i] not in ref[:i])  # a token first produced at k
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False,
+                            stop_token_ids=[ref[k]] if end == "stop" else [])
+    rid = eng.add_request(PROMPTS[0], params)
+    for _ in range(k):
+        eng.step()
+    first = eng.snapshot([rid])[0].token_ids
+    if end == "abort":
+        eng.abort(rid)
+    else:
+        first = eng.step()[0].token_ids
+        assert first == ref[:k + 1]
+    seen = seen_features(eng.drafter)
+    prompt = PROMPTS[0] + first + ref[len(first):len(first) + 3]
+    second = eng.generate(prompt, GREEDY)[0]
+    assert second.num_cached_tokens == len(PROMPTS[0]) + len(first)
+    assert_fed_every_token(target, seen, prompt, second)
