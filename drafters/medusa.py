@@ -1,5 +1,5 @@
 """Medusa drafter: extra heads on the target's last hidden state predict the tokens after the
-next one (Cai et al., 2024). The heads run once per step, at the root; a node at depth d takes
+next one (Cai et al., 2024). The heads run once per tree, at the root; a node at depth d takes
 its children from head d (the top-k of the distribution of the token at depth d + 1), whatever
 its path. Medusa needs no KV cache of its own. With CUDA graphs on, the heads replay from a graph
 per padded batch size (``RowGraphs``)."""
@@ -33,6 +33,7 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, runtime: RuntimeOptions | None = None):
         self.heads = heads
+        self.hidden: dict[int, Tensor] = {}    # request id -> [H] at its last committed token, heads not run yet
         self.logprobs: dict[int, Tensor] = {}  # request id -> [num_heads, V] for the current root
         runtime = runtime or RuntimeOptions()
         device = next(heads.parameters()).device
@@ -49,17 +50,25 @@ class MedusaDrafter:
         """[R, H] last hidden states -> [R, num_heads, V] log-probabilities."""
         return torch.log_softmax(self.heads(last).float(), -1).transpose(0, 1)
 
-    @torch.inference_mode()
-    def _run_heads(self, features: TargetFeatures) -> None:
-        """Run every head on the hidden state of each request's last committed token."""
+    def _keep_last(self, features: TargetFeatures) -> None:
+        """Keep the hidden state of each request's last committed token: the heads run on it when
+        the next tree is drafted, not after a step that drafts none (plain decoding's)."""
         assert features.hidden is not None, "the engine must pass the last hidden states (needs.last_hidden)"
-        last = torch.stack([h[-1] for h in features.hidden])                   # [R, H]
-        logprobs = self.run_heads(last)                                         # [R, num_heads, V]
-        for r, rid in enumerate(features.request_ids):
-            self.logprobs[rid] = logprobs[r]
+        for rid, hidden in zip(features.request_ids, features.hidden):
+            self.hidden[rid] = hidden[-1]
+            self.logprobs.pop(rid, None)
 
-    def begin(self, features: TargetFeatures) -> None:
-        self._run_heads(features)
+    begin = _keep_last
+
+    @torch.inference_mode()
+    def _table(self, request_ids: list[int]) -> Tensor:
+        """[B, num_heads, V] the heads' log-probabilities at each request's root: one batched run
+        over the requests committed to since their last."""
+        fresh = [rid for rid in request_ids if rid in self.hidden]
+        if fresh:
+            logprobs = self.run_heads(torch.stack([self.hidden.pop(rid) for rid in fresh]))   # [R, num_heads, V]
+            self.logprobs.update(zip(fresh, logprobs))
+        return torch.stack([self.logprobs[rid] for rid in request_ids])
 
     def expand(self, frontier: Frontier) -> Expansion:
         b, f = frontier.nodes.shape
@@ -72,7 +81,7 @@ class MedusaDrafter:
         where = ((frontier.nodes >= 0) & (depth < self.heads.num_heads)).nonzero().tolist()
         if not where:
             return Expansion(tokens, lps, probs)
-        table = torch.stack([self.logprobs[rid] for rid in frontier.roots.request_ids])  # [B, num_heads, V]
+        table = self._table(frontier.roots.request_ids)                        # [B, num_heads, V]
         bi, fi = torch.tensor(where).T
         rows = table[bi.to(table.device), depth[bi, fi].to(table.device)]      # [R, V]: head = node depth
         kk = min(k, vocab)
@@ -84,8 +93,9 @@ class MedusaDrafter:
         return Expansion(tokens, lps, probs)
 
     def commit(self, verdict: Verdict, features: TargetFeatures) -> None:
-        self._run_heads(features)
+        self._keep_last(features)
 
     def release(self, request_ids: list[int]) -> None:
         for rid in request_ids:
+            self.hidden.pop(rid, None)
             self.logprobs.pop(rid, None)

@@ -67,9 +67,11 @@ def test_greedy_generation_equals_plain_decoding(target, head_dir, seqs, tree):
     assert [p + o.token_ids for p, o in zip(PROMPTS, outs)] == seqs
 
 
-def test_heads_fitted_to_the_target_have_every_draft_accepted(tmp_path, target, seqs):
-    """Head i maps the target's hidden state at t to its logits at t + 1 + i on two greedy
-    trajectories (ResBlocks silent): it predicts token t + 2 + i, as Medusa's heads are trained to."""
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, target, seqs):
+    """Heads where head i maps the target's hidden state at t to its logits at t + 1 + i on two
+    greedy trajectories (ResBlocks silent): it predicts token t + 2 + i, as Medusa's heads are
+    trained to."""
     states = [hidden for hidden, _ in target_states(target, seqs)]
     state = medusa_state(64, 320, num_heads=3)
     for i in range(3):
@@ -79,11 +81,32 @@ def test_heads_fitted_to_the_target_have_every_draft_accepted(tmp_path, target, 
         state[f"{i}.0.linear.weight"].zero_()
         state[f"{i}.0.linear.bias"].zero_()
         state[f"{i}.1.weight"] = target.lm_head.weight.detach() @ mapping   # [V, H]
-    path = write_checkpoint(tmp_path, {"medusa_num_heads": 3}, state, "safetensors")
-    outs = engine(target, TREES["chain"], path).generate(PROMPTS[:2], GREEDY)
+    return write_checkpoint(tmp_path_factory.mktemp("fitted-medusa"), {"medusa_num_heads": 3}, state, "safetensors")
+
+
+def test_heads_fitted_to_the_target_have_every_draft_accepted(target, seqs, fitted):
+    outs = engine(target, TREES["chain"], fitted).generate(PROMPTS[:2], GREEDY)
     assert [p + o.token_ids for p, o in zip(PROMPTS, outs)] == seqs
     for o in outs:  # depth 3 = all three heads, every step but the last (cut at max_tokens)
         assert o.accept_lengths[:-1] == [4] * (len(o.accept_lengths) - 1)
+
+
+def test_heads_run_once_per_drafted_tree_and_never_for_a_plain_step(target, seqs, fitted):
+    """Three requests above spec_max_batch_size decode plainly until the third ends: the heads
+    do not run for those steps, then once per step for the trees drafted, from the last plain
+    step's hidden state: every draft is accepted again."""
+    eng = SpecEngine(target, drafter={"type": "medusa", "path": str(fitted)}, tree=TREES["chain"],
+                     verifier={"type": "greedy"}, kv_cache_tokens=1024, spec_max_batch_size=2, record_steps=True)
+    runs, run_heads = [], eng.drafter.run_heads
+    eng.drafter.run_heads = lambda last: runs.append(len(last)) or run_heads(last)
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
+    outs = eng.generate(PROMPTS[:2] + PROMPTS[:1], params)
+    assert [p + o.token_ids for p, o in zip(PROMPTS, outs[:2])] == seqs
+    drafted = [[len(s.tree["tokens"]) > 1 for s in o.steps] for o in outs[:2]]
+    assert all(d[:3] == [False] * 3 and d[-2] for d in drafted)  # plain steps, then trees
+    assert sum(runs) == sum(map(sum, drafted)) and set(runs) == {2}
+    for o, d in zip(outs, drafted):  # every tree's drafts accepted, but the last (cut at max_tokens)
+        assert [n for n, tree in zip(o.accept_lengths[:-1], d) if tree] == [4] * (sum(d[:-1]))
 
 
 def test_rejection_sampling_is_reproducible_with_seeds(target, head_dir):
