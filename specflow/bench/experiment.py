@@ -15,6 +15,7 @@ from specflow.bench.experiment_config import ExperimentConfig, PipelineConfig, l
 from specflow.bench.prompts import Prompt, load_suite
 from specflow.bench.provenance import git_commit, git_dirty
 from specflow.bench.report import best_pipeline, write_report
+from specflow.bench.summary import batch_seconds, summarize
 from specflow.config import ConfigError, dump_yaml
 from specflow.engine import SpecEngine
 from specflow.models import load_model, load_tokenizer
@@ -110,79 +111,6 @@ def warmup_batch_sizes(batch_size: int, num_prompts: int) -> list[int]:
         if size >= most:
             return sizes
     return sizes
-
-
-def batch_seconds(rows: list[dict]) -> float:
-    """The wall time of the distinct batches of ``rows`` (every row holds its batch's time)."""
-    return sum({r["batch"]: r["seconds"] for r in rows}.values())
-
-
-def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
-    """Accept length, tokens/s, speedup against the baseline rows (total tokens over total time,
-    each side; with one prompt a batch also ``speedup_mean_per_prompt``, Spec-Bench's mean of
-    per-prompt tokens/s over the baseline's), latency percentiles (of the rows' batch seconds), and the
-    share of prompts whose tokens match the baseline's, per category. Prompts are seeded, so a
-    sampled run matches too where its verifier follows the target's own draws (greedy; rejection
-    over top-k drafts); other sampled runs are exact in distribution, not token for token.
-
-    A selection's seconds are the wall times of its distinct batches. A category whose batches
-    also hold other categories' prompts cannot be timed apart from them: it gets its accept
-    length but no tokens/s or speedup."""
-
-    def stats(sel: list[dict], base: list[dict] | None, timed: bool) -> dict:
-        tokens = sum(r["tokens"] for r in sel)
-        steps = sum(r["steps"] for r in sel)
-        out = {"prompts": len(sel), "tokens": tokens,
-               "accept_length": sum(r["step_tokens"] for r in sel) / max(1, steps)}
-        if timed:
-            out["tokens_per_s"] = tokens / max(batch_seconds(sel), 1e-9)
-            if base is not None:
-                out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(batch_seconds(base), 1e-9))
-                if len({r["batch"] for r in sel}) == len(sel):  # one prompt a batch: each prompt's own time
-                    out["speedup_mean_per_prompt"] = mean_tokens_per_s(sel) / mean_tokens_per_s(base)
-        if base is not None:
-            out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
-        return out
-
-    lat = torch.tensor([r["seconds"] for r in rows])
-    summary = stats(rows, baseline, timed=True)
-    summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
-    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"]],
-                                                         [d for r in rows for d in r["draft_depths"]])
-    summary["categories"] = {}
-    for cat in sorted({r["category"] for r in rows}):
-        sel = [r for r in rows if r["category"] == cat]
-        base = [r for r in baseline if r["category"] == cat] if baseline else None
-        batches = {r["batch"] for r in sel}
-        mixed = any(r["batch"] in batches and r["category"] != cat for r in rows)
-        summary["categories"][cat] = stats(sel, base, timed=not mixed)
-    return summary
-
-
-def mean_tokens_per_s(rows: list[dict]) -> float:
-    """The mean over prompts of each prompt's tokens/s (rows of one prompt a batch): Spec-Bench's
-    speedup is this mean of a method over the baseline's."""
-    return sum(r["tokens"] / max(r["seconds"], 1e-9) for r in rows) / len(rows)
-
-
-def acceptance_by_depth(accept_lengths: list[int], draft_depths: list[int]) -> list[float]:
-    """EAGLE's per-depth acceptance rates, from each step's committed tokens (``accept_lengths``:
-    drafts + bonus, so n - 1 accepted drafts) and its tree's depth (``draft_depths``, 0 for a
-    step that drafted nothing). Entry d - 1 is the share of steps that accepted a depth-d draft
-    among those that tried one: accepted depth d - 1 and drafted a tree reaching depth d. A step
-    whose tree stopped short of d (a root-only step, a shallower dynamic tree, an n-gram miss)
-    is no rejection at d. Up to the deepest depth some step tried (the counts tried only fall
-    with d)."""
-    assert len(accept_lengths) == len(draft_depths), "one tree depth per step"
-    steps = list(zip(accept_lengths, draft_depths))
-    assert all(n - 1 <= depth for n, depth in steps), "a step accepts no draft deeper than its tree"
-    rates = []
-    for d in range(1, max(draft_depths, default=0) + 1):
-        tried = [n - 1 >= d for n, depth in steps if n >= d and depth >= d]  # accepted depth d - 1, drafted d
-        if not tried:
-            break
-        rates.append(sum(tried) / len(tried))
-    return rates
 
 
 def failed_pipelines(results: dict) -> str:

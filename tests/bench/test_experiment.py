@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import acceptance_by_depth, run_pipeline, summarize, warmup_batch_sizes
+from specflow.bench.experiment import run_pipeline, warmup_batch_sizes
+from specflow.bench.summary import acceptance_by_depth, summarize
 from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
                                               sampling_params)
 from specflow.bench.prompts import load_suite
