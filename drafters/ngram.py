@@ -255,8 +255,8 @@ class NgramDrafter:
             raise ValueError("ngram drafter: want_probs needs the vocabulary size; build it with "
                              "NgramDrafter(..., vocab_size=V) or from_config(cfg, vocab_size=V)")
         roots = frontier.roots
-        answers = [[[] if path is None else self._ranked(roots.request_ids[b], roots.contexts[b], path) for path in paths]
-                   for b, paths in enumerate(draft_paths(frontier))]
+        answers = [[[] if path is None else self._ranked(roots.request_ids[b], roots.contexts[b], path)
+                    for path in paths] for b, paths in enumerate(draft_paths(frontier))]
         return ranked_expansion(answers, frontier, self.vocab_size)
 
     def _ranked(self, rid: int, context: list[int], path: list[int]) -> list[tuple[int, int]]:

@@ -88,7 +88,7 @@ class OverlapDecoding:
             where, fresh = to_device([torch.tensor(where), torch.tensor(fresh, dtype=torch.long)], self.engine.device)
             roots = torch.cat([carried, fresh])[where]                                 # [B]
         taps = self.engine.drafter.needs.layer_taps if self.engine.drafter is not None else ()
-        out = self.engine.runner.extend([r.id for r in batch], roots.view(-1, 1), taps=taps)  # positions follow each cache
+        out = self.engine.runner.extend([r.id for r in batch], roots.view(-1, 1), taps=taps)  # positions: each cache's
         if self.engine._feed is not None:  # the roots' features beside their K/V, as it is written: a request
             # ended before this step lands (a stop, an abort) leaves its root's K/V to the prefix cache
             self.engine._feed.committed(batch, [self.engine.runner.kv_len(r.id) - 1 for r in batch],
@@ -134,5 +134,6 @@ class OverlapDecoding:
         if live:
             zeros = torch.zeros(len(live), 1, dtype=torch.long)
             verdict = Verdict(zeros, zeros[:, 0], torch.tensor([req.seq[-1] for _, req in live]))
-            engine.drafter.commit(verdict, engine._feed.layout([req for _, req in live], [[out.offsets[b]] for b, _ in live],
-                                                               out, [2] * len(live)))
+            features = engine._feed.layout([req for _, req in live], [[out.offsets[b]] for b, _ in live], out,
+                                           [2] * len(live))
+            engine.drafter.commit(verdict, features)

@@ -160,7 +160,8 @@ def test_every_committed_token_reaches_the_head_once_with_its_target_feature(tar
                      tree=TREES["chain"], verifier={"type": "greedy"}, kv_cache_tokens=1024,
                      spec_max_batch_size=spec_max_batch_size, record_steps=True)
     seen = seen_features(eng.drafter)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=speculative) for n in (6, 20, 20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=speculative)
+              for n in (6, 20, 20)]
     outs = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain, (6, 20, 20))]
     nodes = [len(step.tree["tokens"]) for step in outs[1].steps]
