@@ -140,9 +140,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for b in args.batch_sizes:
             (decode_ms, decode_ops), (spec_ms, spec_ops) = (host_work(e, b, args.steps, timer, args.temperature)
                                                         for e in (plain, spec))
+            spec.spec_max_batch_size = 0  # speculation off: plain steps that feed the head
+            paused_ms, paused_ops = host_work(spec, b, args.steps, timer, args.temperature)
+            spec.spec_max_batch_size = None
             rows.append({"batch_size": b, "decode_host_ms": decode_ms, "spec_host_ms": spec_ms,
-                         "decode_ops": decode_ops, "spec_ops": spec_ops})
-    gpu.print_table(rows, ["batch_size", "decode_host_ms", "spec_host_ms", "decode_ops", "spec_ops"])
+                         "paused_host_ms": paused_ms, "decode_ops": decode_ops, "spec_ops": spec_ops,
+                         "paused_ops": paused_ops})
+    gpu.print_table(rows, list(rows[0]))
     return rows
 
 

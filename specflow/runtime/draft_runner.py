@@ -90,8 +90,8 @@ class TreeDraftRunner:
             before = features[:-1]  # [n - 1, F]: the feature each token after the first reads
             if st.last_feature is None:  # the request's first token has no entry: its entries follow it
                 st.root, tokens = -2 - tokens[0], tokens[1:]
-            else:
-                before = torch.cat([st.last_feature, before])
+            else:  # (one token, as a plain step commits: no copy)
+                before = torch.cat([st.last_feature, before]) if len(before) else st.last_feature
             st.last_feature = features[-1:]
         cached = 0
         if self.runner.cache.prefix is not None:  # (a table left empty by a build given up is not
@@ -100,7 +100,7 @@ class TreeDraftRunner:
             st.entries.extend(tokens)
         st.pending.extend(tokens[cached:])
         if self.features:
-            st.pending_features.append(before[cached:])
+            st.pending_features.append(before[cached:] if cached else before)
 
     def plan(self, frontier: Frontier) -> DraftBatch:
         """Decide which tokens each request feeds for this expansion.
