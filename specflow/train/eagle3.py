@@ -6,8 +6,10 @@ Step 0 reads the target's concatenated layer taps of ``x_j`` (through ``fc``) wi
 ``x_{j+1+k}`` at position j + k and attends as the depth-k draft node does (UnrolledAttention).
 Step k at row j predicts ``x_{j+2+k}``; its loss is the soft cross-entropy against the target's
 distribution restricted to the draft vocabulary (renormalised), on rows whose target argmax is
-in the draft vocabulary, weighted by ``decay ** k``. The draft vocabulary is the
-``draft_vocab_size`` most frequent tokens of the training data (``d2t`` / ``t2d``).
+in the draft vocabulary, weighted by ``decay ** k``. ``acc_k`` is the fraction of all rows whose
+drafted token is the target's argmax (rows outside the draft vocabulary count as misses). The
+draft vocabulary is the ``draft_vocab_size`` most frequent tokens of the training data (``d2t`` /
+``t2d``).
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ class Eagle3Module(TrainModule):
             mask = in_vocab[:, 1 + k :].float()                            # [B, S-k]
             ce = -(pk * logp).sum(-1)                                      # [B, S-k]
             loss_k = (ce * mask).sum() / mask.sum().clamp_min(1)
-            acc_k = ((logp.argmax(-1) == pk.argmax(-1)).float() * mask).sum() / mask.sum().clamp_min(1)
+            # (over every row, as traineagle3 divides by loss_mask.sum(): a target argmax outside the
+            # draft vocabulary can never be drafted, so it is a miss, not a row left out)
+            acc_k = ((logp.argmax(-1) == pk.argmax(-1)).float() * mask).mean()
             total = total + self.decay ** k * loss_k
             out[f"ce_{k}"], out[f"acc_{k}"] = loss_k, acc_k
         return {"loss": total, **out}

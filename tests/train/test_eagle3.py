@@ -65,3 +65,34 @@ def test_one_tap_head_trains_and_drafts_through_fc(tiny_target):
         head.fc.weight.normal_(0, 0.1)                       # ... and once fc is trained, drafting reads it
         projected = Eagle3Drafter(head, kv_cache_tokens=64).projected(features)[0]
         torch.testing.assert_close(projected, head.fc(taps))
+
+
+def test_step_accuracy_counts_targets_outside_the_draft_vocab_as_misses(tiny_target):
+    """acc_k is the fraction of rows whose drafted token is the target's argmax, as SafeAILab's
+    traineagle3 reports it (correct / loss_mask.sum()): a row whose target argmax lies outside the
+    draft vocabulary can never be drafted, so it is a miss, not a row left out. A head that drafts
+    the target's best in-vocabulary token everywhere scores the in-vocabulary fraction, not 1."""
+    import torch.nn.functional as F
+
+    from specflow.train.config import OptimConfig
+    from specflow.train.eagle3 import Eagle3Module
+    from specflow.train.heads import target_pass
+
+    target = load_model(tiny_target)
+    hot = torch.arange(0, 320, 2)                                        # half the vocabulary
+    head = new_eagle3_head(target, hot, (0, 1))
+    batch = torch.randint(320, (2, 17), generator=torch.Generator().manual_seed(0))
+    _, probs, _ = target_pass(target, batch, head.taps)
+    steps = iter(range(3))
+
+    def oracle(hidden):   # step k, row j: the target's distribution over the draft vocab at j + 1 + k
+        k = next(steps)
+        return F.pad(probs[:, 1 + k:, hot], (0, 0, 0, k)).reshape(hidden.shape[0], -1)
+
+    head.compute_logits = oracle
+    with torch.no_grad():
+        out = Eagle3Module(head, target, OptimConfig(), unroll=3).eval().losses(batch)
+    for k in range(3):
+        in_vocab = head.t2d[probs[:, 1 + k:].argmax(-1)].float().mean()
+        assert 0 < in_vocab < 1
+        torch.testing.assert_close(out[f"acc_{k}"], in_vocab)
