@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from specflow.config import ConfigError, check_at_least
 from specflow.engine import SpecEngine
+from specflow.request import RequestOutput
 from specflow.sampling import SamplingParams
 
 
@@ -173,5 +174,11 @@ def generate_continuations(target_path: str | Path, tokens: Tensor, cfg: DataCon
     for i in range(0, num, cfg.generate_batch_size):
         batch = prompts[i : i + cfg.generate_batch_size]
         for prompt, res in zip(batch, engine.generate(batch, params)):
-            out += prompt + list(res.token_ids) + [eos]
+            out += sample_text(prompt, res, eos)
     return torch.tensor(out[: cfg.generated_tokens], dtype=torch.long)
+
+
+def sample_text(prompt: list[int], res: RequestOutput, eos: int) -> list[int]:
+    """A prompt and its continuation, ended by one EOS: the target's own where it stopped (its
+    token ids keep it), else one appended; never an "EOS EOS" the target does not write."""
+    return prompt + res.token_ids + ([] if res.finish_reason == "stop" else [eos])

@@ -2,7 +2,8 @@
 
 import torch
 
-from specflow.train.data import ChunkDataset, DataConfig, load_corpus
+from specflow.request import RequestOutput
+from specflow.train.data import ChunkDataset, DataConfig, load_corpus, sample_text
 
 
 def test_corpus_split_is_deterministic_and_disjoint():
@@ -22,3 +23,12 @@ def test_chunks_are_consecutive_windows_with_their_next_token():
     data = ChunkDataset(torch.arange(10), seq_len=3)
     assert len(data) == 3
     assert [data[i].tolist() for i in range(3)] == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
+
+
+def test_a_continuation_ends_with_one_eos():
+    """A continuation the target ended itself keeps its EOS in its token ids: no second one, an
+    "EOS EOS" the target never writes; one cut by the length limit gets one appended."""
+    stopped = RequestOutput(0, [5, 6], [7, 2], None, "stop", [1, 1])
+    cut = RequestOutput(1, [5, 6], [7, 8, 9], None, "length", [1, 1, 1])
+    assert sample_text([5, 6], stopped, eos=2) == [5, 6, 7, 2]
+    assert sample_text([5, 6], cut, eos=2) == [5, 6, 7, 8, 9, 2]
