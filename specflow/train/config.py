@@ -71,6 +71,8 @@ class TrainerConfig:
     limit_val_batches: int | None = None
     log_every_n_steps: int = 10
     gradient_clip_val: float | None = 1.0
+    gradient_clip_algorithm: str = "norm"    # or "value" (SafeAILab's EAGLE-1 main.py: value 0.5;
+                                            # traineagle3's DeepSpeed: norm 0.5)
     accumulate_grad_batches: int = 1
     enable_progress_bar: bool = True
     num_threads: int | None = None
@@ -83,6 +85,8 @@ class TrainerConfig:
             check_at_least(self, 1, "checkpoint_every_n_steps")
         if self.max_steps != -1:   # (0 would export the untrained weights as a trained head)
             check_at_least(self, 1, "max_steps")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm '{self.gradient_clip_algorithm}' is not one of norm, value")
 
 
 @dataclass

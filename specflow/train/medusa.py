@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specflow.config import check_at_least
+from specflow.config import ConfigError, check_at_least
 from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.loader import resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
@@ -89,6 +89,15 @@ class MedusaRecipe:
     @classmethod
     def from_config(cls, cfg: MedusaRecipeConfig, **_) -> "MedusaRecipe":
         return cls(cfg)
+
+    @staticmethod
+    def check(cfg: MedusaRecipeConfig, run: TrainConfig) -> None:
+        """Head i learns x_{t+2+i}: with num_heads >= seq_len the last head has no label in a
+        sequence, and its cross-entropy over no rows is NaN (the whole loss, then the weights)."""
+        if cfg.num_heads >= run.data.seq_len:
+            raise ConfigError(f"train.recipe.num_heads: head {cfg.num_heads - 1} predicts {cfg.num_heads + 1} "
+                              f"tokens ahead, past a sequence of {run.data.seq_len}; set recipe.num_heads "
+                              f"below data.seq_len")
 
     def setup(self, run: TrainConfig) -> TrainJob:
         data = head_data(run, "medusa")

@@ -57,7 +57,8 @@ def train(run: TrainConfig) -> TrainResult:
             precision=t.precision, max_steps=t.max_steps, max_time=t.max_time,
             val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
             limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
-            gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+            gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm,
+            accumulate_grad_batches=t.accumulate_grad_batches,
             enable_progress_bar=t.enable_progress_bar, enable_checkpointing=checkpointing, callbacks=callbacks,
             enable_model_summary=False, num_sanity_val_steps=0,
             logger=CSVLogger(str(log_dir), name="", version=""), default_root_dir=str(log_dir))

@@ -54,6 +54,7 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle3", "recipe.draft_vocab_size=100000", r"train.recipe.draft_vocab_size: 100000 is more than the "
                                                  r"target's vocabulary \(2048 tokens\); use 1..2048"),
     ("eagle3", "recipe.unroll=256", r"train.recipe.unroll: .*below data.seq_len \(256\)"),
+    ("medusa", "data.seq_len=4", r"train.recipe.num_heads: .*below data.seq_len"),   # (a NaN loss)
     ("eagle3", "recipe.taps=[1,2,7]", r"train.recipe.taps: \[1, 2, 7\]: a 4-layer target has layer inputs 0..3"),
     ("eagle", "trainer.max_steps=0", "train.trainer: max_steps must be >= 1, got 0"),
     ("eagle", "data.source=no/such/dir", "train.data: source 'no/such/dir' is not a directory"),
@@ -95,3 +96,18 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     bad.write_text("output_dir: x\nrecipe: {type: medusa, heads: 3}\n")
     assert main(["train", str(bad)]) == 2
     assert "unknown key 'heads'; valid keys: num_heads" in capsys.readouterr().err
+
+
+def test_gradients_can_be_clipped_by_value_as_eagle_does(tmp_path, tiny_target):
+    """SafeAILab's EAGLE-1 recipe clips every gradient element to 0.5 (clip_grad_value_), not the
+    global norm: the algorithm is a setting, and a bad one fails before the recipe's setup."""
+    cfg = load_train_config(CONFIGS[0].parent / "eagle.yaml",
+                            ["trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_val=0.5"])
+    assert (cfg.trainer.gradient_clip_algorithm, cfg.trainer.gradient_clip_val) == ("value", 0.5)
+    shape = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+    run = tiny_config(tmp_path, {"type": "lm", "tokenizer": str(tiny_target), "model": shape}, steps=2,
+                      trainer_extra={"gradient_clip_algorithm": "value", "gradient_clip_val": 0.5})
+    assert train(run).module.trainer.gradient_clip_algorithm == "value"
+    with pytest.raises(ConfigError, match="gradient_clip_algorithm 'elementwise' is not one of norm, value"):
+        validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": "eagle"},
+                               "trainer": {"gradient_clip_algorithm": "elementwise"}}, "train")
