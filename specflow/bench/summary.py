@@ -41,8 +41,9 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
     lat = torch.tensor([r["seconds"] for r in rows])
     summary = stats(rows, baseline, timed=True)
     summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
-    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"]],
-                                                         [d for r in rows for d in r["draft_depths"]])
+    # (each prompt's last step left out: max_tokens or a stop may have cut its accepted drafts)
+    summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"][:-1]],
+                                                         [d for r in rows for d in r["draft_depths"][:-1]])
     summary["categories"] = {}
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]

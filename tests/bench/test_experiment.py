@@ -142,6 +142,15 @@ def test_speedup_mean_per_prompt_is_spec_bench_s_ratio_of_mean_per_prompt_tokens
     assert "speedup_mean_per_prompt" not in summarize(batched, [dict(r, batch=0) for r in rows((5.0, 5.0))])
 
 
+def test_acceptance_by_depth_leaves_out_each_prompt_s_last_step():
+    """A prompt's last step keeps only the tokens up to max_tokens or a stop: its drafts cut
+    there are no rejections (EAGLE's rates would read low at short max_tokens)."""
+    rows = [{"id": str(i), "category": "code", "batch": i, "seconds": 1.0, "tokens": 10, "steps": 3,
+             "step_tokens": 10, "accept_lengths": [4, 4, 2], "draft_depths": [3, 3, 3], "token_ids": [i] * 10}
+            for i in range(2)]
+    assert summarize(rows, None)["acceptance_by_depth"] == [1.0, 1.0, 1.0]
+
+
 def test_warmup_never_shows_a_drafter_a_suite_prompt(tmp_path, tiny_target):
     """A drafter that learns across requests (a global n-gram trie) must not have seen a timed
     prompt's continuation in the warm-up: warming up changes no accept length."""
