@@ -17,7 +17,7 @@ from specflow.config import ConfigError, load_yaml, validate
 from specflow.features import FeatureFeed
 from specflow.models import LlamaForCausalLM, load_model, load_tokenizer
 from specflow.overlap import OverlapDecoding
-from specflow.penalties import History, Penalties
+from specflow.penalties import History, Penalties, PenaltyState
 from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
 from specflow.prefill import Prefill
 from specflow.request import Request, RequestOutput
@@ -96,6 +96,7 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
+        self._adjustments = PenaltyState(self.model.config.vocab_size, self.device)  # (specflow.penalties)
         self._prefill = Prefill(self)
         self._plain = OverlapDecoding(self)
         self._spec = SpeculativeDecoding(self) if self.drafter is not None else None
@@ -246,9 +247,9 @@ class SpecEngine:
         """The batch's history-dependent logit adjustments (specflow.penalties), None without any."""
         if not any(r.params.adjusts_logits for r in batch):
             return None
-        return Penalties.build([History(r.params, r.distinct_prompt_ids if r.params.repetition_penalty != 1 else (),
-                                        r.output_ids, r.stop_ids) for r in batch],
-                               self.model.config.vocab_size, self.device)
+        return self._adjustments.gather(
+            [r.id for r in batch], [History(r.params, r.distinct_prompt_ids if r.params.repetition_penalty != 1 else (),
+                                            r.output_ids, r.stop_ids) for r in batch])
 
     @staticmethod
     def _adjusted(logits: Tensor, penalties: Penalties | None) -> Tensor:
@@ -267,6 +268,7 @@ class SpecEngine:
         self.scheduler.preempt()
         self._release_kv(req)
         self._release_drafter(req)
+        self._adjustments.release(req.id)  # (made again from its history when it resumes)
         if not req.output_ids and req.prompt_logprobs is not None:  # (recomputed with its prefill)
             req.prompt_logprobs.clear()
         return []
@@ -289,5 +291,6 @@ class SpecEngine:
         self.scheduler.finish(req)
         self._release_kv(req)
         self._release_drafter(req)
+        self._adjustments.release(req.id)
         self._requests.pop(req.id, None)
         return req.output()

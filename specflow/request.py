@@ -118,7 +118,8 @@ class Request:
 
     @functools.cached_property
     def distinct_prompt_ids(self) -> np.ndarray:
-        """The prompt's distinct token ids, once (the repetition penalty reads them every step)."""
+        """The prompt's distinct token ids, once (the repetition penalty's rows are made from them
+        at the request's first step and again after each preemption: PenaltyState)."""
         return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
 
     @property

@@ -3,6 +3,7 @@ own path as a reference written token by token adjusts it, and speculative decod
 gives plain decoding's output with them (greedy: token for token; seeded exact match too)."""
 
 import collections
+import itertools
 import math
 
 import pytest
@@ -11,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specflow import SamplingParams, SpecEngine
-from specflow.models import load_model
-from specflow.penalties import History, Penalties
+from specflow.models import load_model, load_tokenizer
+from specflow.penalties import History, Penalties, PenaltyState
 from specflow.runtime.model_runner import ModelRunner
 from tests.test_lossless import PROMPTS, TREES, drafters
 from tests.verifiers.test_greedy import VOCAB, random_trees
@@ -74,6 +75,48 @@ def test_tokens_in_flight_count_as_generated(data):
     landed = [History(h.params, h.prompt_ids, h.output_ids + [t] * a, h.stop_ids) for h, t, a in zip(rows, flight, ahead)]
     want = Penalties.build(landed, VOCAB, torch.device("cpu"))
     torch.testing.assert_close(got.apply(logits), want.apply(logits))
+
+
+FIELDS = ("counts", "seen", "bias", "held", "to_min", "repetition", "frequency", "presence")
+
+
+def counted(method, calls: collections.Counter, key: str):
+    """``method``, counting its calls in ``calls[key]``."""
+    def counting(*args, **kwargs):
+        calls[key] += 1
+        return method(*args, **kwargs)
+    return counting
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_the_state_follows_commits_and_releases_as_a_build_from_scratch(data):
+    """PenaltyState, its requests committing tokens, gathered in any subsets, let go of (finished,
+    preempted) and coming back, equals Penalties.build of their histories at every gather; a
+    request's rows are made once from its history until they are let go of."""
+    state, calls = PenaltyState(VOCAB, torch.device("cpu")), collections.Counter()
+    state._take = counted(state._take, calls, "made")
+    rows = [data.draw(histories(VOCAB)) for _ in range(data.draw(st.integers(1, 5)))]
+    holding, made = set(), 0  # requests with rows, and how many times rows were made, by this test's count
+    for _ in range(data.draw(st.integers(1, 12))):
+        i = data.draw(st.integers(0, len(rows) - 1))
+        op = data.draw(st.sampled_from(["commit", "gather", "release"]))
+        if op == "commit":
+            rows[i].output_ids.extend(data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=4)))
+        elif op == "release":
+            state.release(i)
+            holding.discard(i)
+        else:
+            ids = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1), min_size=1)))
+            if not any(rows[j].params.adjusts_logits for j in ids):  # (the engine gathers no such batch)
+                continue
+            got = state.gather(ids, [rows[j] for j in ids])
+            want = Penalties.build([rows[j] for j in ids], VOCAB, torch.device("cpu"))
+            for name in FIELDS:
+                torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+            fresh = {j for j in ids if rows[j].params.adjusts_logits} - holding
+            made, holding = made + len(fresh), holding | fresh
+    assert calls["made"] == made and set(state.slots) == holding
 
 
 def test_rows_without_adjustments_keep_their_bits():
@@ -213,3 +256,85 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_target):
             engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, bad], min_tokens=2, max_tokens=4))
     assert not engine.has_unfinished()
     assert len(engine.generate([[1, 2]], SamplingParams(stop_token_ids=[5], min_tokens=2, max_tokens=4))[0].token_ids) >= 3
+
+
+def check_every_gather(engine: SpecEngine, monkeypatch) -> list[int]:
+    """Make each of ``engine``'s gathers check that its Penalties equal ``Penalties.build`` of the
+    batch's histories and that only running requests with adjustments hold rows; returns the list
+    of checked batches' sizes, which grows as they run."""
+    checked, gather = [], engine._adjustments.gather
+
+    def checking(request_ids, rows):
+        got = gather(request_ids, rows)
+        want = Penalties.build(rows, engine.model.config.vocab_size, engine.device)
+        for name in FIELDS:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+        running = {r.id for r in engine.scheduler.running if r.params.adjusts_logits}
+        holding = set(engine._adjustments.slots)
+        assert holding <= running and set(request_ids) & running <= holding
+        checked.append(len(rows))
+        return got
+
+    monkeypatch.setattr(engine._adjustments, "gather", checking)
+    return checked
+
+
+def test_the_state_on_the_device_equals_a_build_from_each_history(model, tiny_target, monkeypatch):
+    """A mixed run (speculative steps and plain ones above spec_max_batch_size, preemptions of a
+    small KV pool, aborts, stop strings and tokens, requests with and without adjustments): every
+    step's adjustments, kept on the device and updated with each step's commits, equal a build
+    from scratch, and no request keeps its rows after it ends."""
+    engine = SpecEngine(model, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 2048},
+                        TREES["chain"], {"type": "rejection"}, tokenizer=load_tokenizer(tiny_target),
+                        kv_cache_tokens=100, max_batch_size=4, spec_max_batch_size=3)
+    checked = check_every_gather(engine, monkeypatch)
+    calls = collections.Counter()
+    for key, owner, name in (("preempt", engine.scheduler, "preempt"), ("plain", engine._plain, "step"),
+                             ("speculative", engine._spec, "step")):
+        monkeypatch.setattr(owner, name, counted(getattr(owner, name), calls, key))
+    common = dict(max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **common),
+              SamplingParams(temperature=0.8, seed=1, frequency_penalty=1.5, presence_penalty=0.5, **common),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0, stop=["e"], min_tokens=3, **common),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40, logit_bias={7: 3.0, 42: -100.0}, min_tokens=10,
+                             stop_token_ids=[5]),
+              SamplingParams(temperature=0.0, speculative=False, frequency_penalty=1.0, repetition_penalty=1.3,
+                             **common),
+              SamplingParams(temperature=0.8, seed=3, presence_penalty=1.0, logit_bias={9: 2.0}, stop=["a"], **common)]
+    ids = [engine.add_request(PROMPTS[i % 3], p) for i, p in enumerate(params * 2)]
+    stops = {i for i, p in zip(ids, params * 2) if p.stop}
+    outs, aborted = {}, [ids[1], ids[9]]
+    for step in itertools.count():
+        if not engine.has_unfinished():
+            break
+        outs.update((o.request_id, o) for o in engine.step())
+        if step == 6:
+            assert aborted[0] in engine._adjustments.slots and aborted[1] not in engine._adjustments.slots  # (waiting)
+            for i in aborted:
+                engine.abort(i)
+    assert not engine._adjustments.slots and len(checked) > 50
+    assert set(outs) == set(ids) - set(aborted) and any(outs[i].finish_reason == "stop" for i in stops)
+    assert calls["preempt"] and calls["plain"] and calls["speculative"]
+
+
+def test_no_rows_outlive_their_requests(model, monkeypatch):
+    """Requests let go of their rows however they end: stopped by their first token (the
+    prefill's), at max_tokens, aborted with a step in flight or while waiting; requests without
+    adjustments never hold any, and a later request takes a slot let go of."""
+    engine = SpecEngine(model, kv_cache_tokens=2048, max_batch_size=2)
+    checked = check_every_gather(engine, monkeypatch)
+    penalized = dict(temperature=0.0, max_tokens=8, ignore_eos=True, frequency_penalty=0.5)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, logit_bias={5: 100.0}, stop_token_ids=[5]),
+              SamplingParams(**dict(penalized, max_tokens=1)), SamplingParams(**penalized),
+              SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(**penalized)]
+    first, one, running, plain, waiting = [engine.add_request(p, sp) for p, sp in zip(PROMPTS + PROMPTS, params)]
+    assert [o.request_id for o in engine.step()] == [first, one] and not engine._adjustments.slots
+    engine.step()
+    assert set(engine._adjustments.slots) == {running} and engine._plain.in_flight.rows.keys() == {running, plain}
+    engine.abort(running)
+    engine.abort(waiting)
+    assert not engine._adjustments.slots
+    assert engine.generate(PROMPTS, SamplingParams(**penalized))
+    assert not engine._adjustments.slots and len(engine._adjustments.free) == 3  # (row 0 and 3 slots, grown once)
+    assert len(engine._adjustments.counts) == 4
+    assert checked
