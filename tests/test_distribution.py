@@ -16,6 +16,7 @@ from specflow.models import load_model
 from specflow.models.random import make_random_checkpoint
 from specflow.protocols import TargetNeeds
 from specflow.registry import DRAFTERS
+from tests.models.random_heads import eagle3_state, eagle_state, head_hf, medusa_state, write_checkpoint
 from tests.test_penalties import reference_logits
 
 V, NEW = VOCAB, NEW_TOKENS
@@ -71,7 +72,8 @@ def penalized(logits: torch.Tensor, before: list[int]) -> torch.Tensor:
     return torch.tensor(reference_logits(logits.tolist(), PROMPT, before, SamplingParams(**PENALIZED), set()))
 
 
-@pytest.mark.parametrize("case", ["rejection-sampled-chain", pytest.param("rejection-topk-eagle2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["rejection-sampled-chain", "threshold-1-1-eagle2",
+                                  pytest.param("rejection-topk-eagle2", marks=pytest.mark.slow)])
 def test_sampled_output_with_penalties_matches_the_penalized_target_distribution(small_vocab, case):
     """Each node's target distribution depends on its path (the penalties count the path's
     tokens); the drafts do not: a verifier testing them against the path's distribution keeps
@@ -153,6 +155,129 @@ def test_requests_of_one_seed_stay_lossless_with_a_drafter_shared_between_them(s
         for o in engine.generate(prompts, params):
             counts[continuation(o.token_ids, V)] += 1
     assert_same_distribution(counts, sum(exact_joint(model, prompt) for prompt in prompts))
+
+
+@pytest.fixture(scope="module")
+def small_heads(small_vocab, tmp_path_factory):
+    """Drafter nodes over the 6-token target: the draft model, random EAGLE, EAGLE-3 (the
+    2-layer target's taps 0, 1, 1) and Medusa heads, and the combinators of the n-gram drafter
+    and the draft model."""
+    target, draft = small_vocab
+    config = load_model(target).config
+    hf = head_hf(config)
+    hf3 = head_hf(config, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=V,
+                  eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+    eagle = write_checkpoint(tmp_path_factory.mktemp("v6-eagle"), hf, eagle_state(hf, seed=1), "safetensors")
+    eagle3 = write_checkpoint(tmp_path_factory.mktemp("v6-eagle3"), hf3, eagle3_state(hf3, seed=2), "safetensors")
+    medusa = write_checkpoint(tmp_path_factory.mktemp("v6-medusa"), {"medusa_num_heads": 2, "medusa_num_layers": 1},
+                              medusa_state(config.hidden_size, V, num_heads=2, seed=5), "safetensors")
+    model_node = {"type": "draft_model", "path": str(draft), "kv_cache_tokens": 8192}
+    return {"ngram": {"type": "ngram", "max_window": 2}, "draft_model": model_node,
+            "union": {"type": "union", "drafters": [{"type": "ngram", "max_window": 2}, model_node]},
+            "fallback": {"type": "fallback", "drafters": [{"type": "ngram", "max_window": 2}, model_node]},
+            "eagle": {"type": "eagle", "path": str(eagle), "kv_cache_tokens": 8192},
+            "eagle3": {"type": "eagle3", "path": str(eagle3), "kv_cache_tokens": 8192},
+            "medusa": {"type": "medusa", "path": str(medusa)}}
+
+
+SAMPLED_TREE = {"type": "static", "choices": [[0], [1], [0, 0], [0, 1], [1, 0]], "sample": True}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "union", "fallback", "eagle", "eagle3", "medusa"])
+def test_every_drafter_s_q_keeps_the_distribution_under_rejection_over_sampled_drafts(small_vocab, small_heads,
+                                                                                      drafter):
+    """Each drafter's q (a lookup's counts, a mixture, another drafter's answer, a head's
+    softmax, EAGLE-3's draft vocabulary mapped to the target's) is what a sampled tree draws
+    from and what the verifier corrects with (the draft model: CASES above)."""
+    p = check_lossless(small_heads[drafter], SAMPLED_TREE, {"type": "rejection"}, small_vocab[0], prompt=REPEATING)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+THRESHOLD_TREES = {"chain": {"type": "chain", "depth": 2}, "static": dict(SAMPLED_TREE, sample=False),
+                   "bfs": {"type": "bfs", "min_breadth": 1, "max_breadth": 2, "depth": 2, "num_draft_tokens": 5},
+                   "sampled-static": SAMPLED_TREE}
+
+
+@pytest.mark.parametrize("tree", THRESHOLD_TREES)
+def test_threshold_1_1_keeps_the_distribution_on_every_tree(small_vocab, small_heads, tree):
+    """Thresholds of 1 treat every draft as a point mass, whoever chose it: top-k picks of any
+    builder, or draws from q without replacement (eagle2: CASES above)."""
+    p = check_lossless(small_heads["draft_model"], THRESHOLD_TREES[tree], {"type": "threshold"}, small_vocab[0],
+                       prompt=REPEATING)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+COIN_WALKS = {"rejection-sampled-chain": CASES["rejection-sampled-chain"],
+              "threshold-1-1-eagle2": CASES["threshold-1-1-eagle2"]}
+SETTINGS = {"pages-of-4": dict(page_size=4), "graphs": dict(cuda_graphs=True), "prefix-caching": dict(prefix_caching=True),
+            "chunked-prefill": dict(max_prefill_tokens=3)}
+
+
+@pytest.mark.parametrize("walk", COIN_WALKS)
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+def test_coin_walks_commit_the_same_tokens_whatever_the_engine_settings(small_vocab, small_heads, drafter, walk):
+    """A coin walk's output is fixed by the seed given the trees drafted, and pages, the padded
+    static CUDA-graph path, prefix caching and chunked prefill draft the same trees: the
+    tests above measure these outputs' distribution in the default engine."""
+    model = load_model(small_vocab[0])
+    tree, verifier = COIN_WALKS[walk]
+    params = [SamplingParams(seed=i, **dict(PARAMS_N, max_tokens=8)) for i in range(48)]
+
+    def outputs(**settings):
+        engine = SpecEngine(model, small_heads[drafter], tree, verifier, kv_cache_tokens=4096, max_batch_size=16,
+                            **settings)
+        return [o.token_ids for o in engine.generate([REPEATING] * len(params), params)]
+
+    default = outputs()
+    assert all(outputs(**SETTINGS[name]) == default for name in SETTINGS)
+
+
+@pytest.mark.parametrize("walk", COIN_WALKS)
+def test_sampled_drafts_keep_the_distribution_where_speculation_pauses(small_vocab, small_heads, walk):
+    """Requests that speculate alone, then step plainly once others join past
+    spec_max_batch_size (a drafted step, then plain steps launched ahead, within the three
+    tokens counted)."""
+    model = load_model(small_vocab[0])
+    tree, verifier = COIN_WALKS[walk]
+    tree = dict(tree, depth=1) if tree["type"] == "chain" else dict(tree, depth=1, num_draft_tokens=3)
+    group = 16
+    engine = SpecEngine(model, small_heads["draft_model"], tree, verifier, kv_cache_tokens=8192,
+                        max_batch_size=2 * group, spec_max_batch_size=group)
+    counts, switched = torch.zeros(V ** NEW), 0
+    for g in range(3000 // group):
+        counted = {engine.add_request(PROMPT, SamplingParams(seed=2 * group * g + i, **PARAMS_N)) for i in range(group)}
+        outs = engine.step()  # their prefill and a drafted step
+        for i in range(group):  # others join: plain steps from here
+            engine.add_request(PROMPT, SamplingParams(seed=2 * group * g + group + i, **dict(PARAMS_N, max_tokens=2)))
+        while engine.has_unfinished():
+            outs += engine.step()
+        for o in outs:
+            if o.request_id in counted:
+                counts[continuation(o.token_ids, V)] += 1
+                switched += len(o.draft_depths) > 1 and o.draft_depths[-1] == 0
+    assert switched > 500  # (requests whose drafted step left them a token to draw plainly)
+    assert_same_distribution(counts, exact_joint(model))
+
+
+@pytest.mark.parametrize("walk", COIN_WALKS)
+def test_sampled_drafts_keep_the_distribution_beside_requests_of_other_parameters(small_vocab, small_heads, walk):
+    """Each counted request shares its steps with one of other sampling parameters (greedy, a
+    hotter or colder temperature, top-k 2, min-p, another prompt and length): no row's
+    acceptance or draws may depend on its batch-mates'."""
+    model = load_model(small_vocab[0])
+    tree, verifier = COIN_WALKS[walk]
+    engine = SpecEngine(model, small_heads["draft_model"], tree, verifier, kv_cache_tokens=8192, max_batch_size=128)
+    others = [dict(temperature=0.0), dict(temperature=1.3), dict(temperature=0.7, top_k=2),
+              dict(temperature=1.0, min_p=0.2), dict(temperature=0.5, top_p=0.5)]
+    prompts, params = [], []
+    for i in range(3000):
+        prompts += [PROMPT, REPEATING[:3 + i % 7]]
+        params += [SamplingParams(seed=i, **PARAMS_N),
+                   SamplingParams(seed=10**6 + i, max_tokens=1 + i % 5, ignore_eos=True, **others[i % 5])]
+    counts = torch.zeros(V ** NEW)
+    for o in engine.generate(prompts, params)[::2]:
+        counts[continuation(o.token_ids, V)] += 1
+    assert_same_distribution(counts, exact_joint(model))
 
 
 class SharedCounts:
