@@ -89,7 +89,10 @@ def decode_body(model: type[Body], raw: bytes, content_type: str | None) -> Body
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:   # (also bytes in no UTF, and nesting past the stack)
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        reason = str(e)
+        if "integer string conversion" in reason:   # (Python's message ends with a hint for the server)
+            reason = f"a number has more than {sys.get_int_max_str_digits()} digits"
+        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise ApiError(400, NOT_AN_OBJECT)
     try:

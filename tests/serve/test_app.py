@@ -30,6 +30,8 @@ BAD = [
     ("empty body", "completions", b"", 400, "must be a JSON object"),
     ("body in no Unicode encoding", "completions", b'{"model": "\xff\xfe\xfd"}', 400, "not valid JSON"),
     ("nesting past the stack", "completions", b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+    ("a number of 5000 digits", "completions", b'{"model": "tiny-chat", "seed": ' + b"9" * 5000 + b"}", 400,
+     "not valid JSON: a number has more than 4300 digits"),
     ("wrong type temperature", "completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("wrong type max_tokens", "completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
     ("wrong type stream", "completions", {**GOOD, "stream": "yes"}, 400, "stream"),
