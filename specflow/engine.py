@@ -77,8 +77,7 @@ class SpecEngine:
         self.runtime = RuntimeOptions(backend, cuda_graphs, max_batch_size, max_prefill_tokens, prefix_caching)
         self.pipeline = Pipeline.from_config(
             drafter, tree, verifier, target=self.runner, vocab_size=self.model.config.vocab_size,
-            device=self.device, dtype=self.dtype,
-            runtime=self.runtime)
+            device=self.device, dtype=self.dtype, runtime=self.runtime, tokenizer=self.tokenizer)
         self.drafter = self.pipeline.drafter
         self.tree_builder = self.pipeline.tree
         self.verifier = self.pipeline.verifier

@@ -105,7 +105,8 @@ A drafter answers "what could follow these tree nodes, and how likely?" (specflo
   commit(verdict, features)     - the accepted path of each request (+ its target features)
   release(request_ids)          - forget finished, cancelled or preempted requests (a preempted
                                   one is begun again later under the same id)
-  from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime""",
+  from_config(cfg, **ctx)       - ctx: target (ModelRunner), vocab_size, device, dtype, runtime,
+                                  tokenizer (the target's; None when it has none)""",
                     methods=("from_config", "begin", "expand", "commit", "release"), attributes=("needs",))
 
 TREE_BUILDERS = Registry("tree", """\

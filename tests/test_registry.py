@@ -212,3 +212,41 @@ def test_a_drafter_object_without_needs_is_named(tiny_target):
 
     with pytest.raises(ConfigError, match="drafter: the Needless drafter has no needs, which the drafter contract"):
         SpecEngine(tiny_target, Needless(), {"type": "chain"}, {"type": "greedy"}, device="cpu", dtype="float32")
+
+
+TEXT_DRAFTER = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    from drafters.ngram import NgramDrafter
+    from specflow.registry import DRAFTERS
+
+
+    @dataclass
+    class TextConfig:
+        pass
+
+
+    @DRAFTERS.register("text", config=TextConfig)
+    class TextDrafter(NgramDrafter):
+        """Reads text (a retrieval store would): it needs the target's tokenizer."""
+
+        @classmethod
+        def from_config(cls, cfg, vocab_size=None, tokenizer=None, **_):
+            drafter = cls(vocab_size=vocab_size)
+            drafter.tokenizer = tokenizer
+            return drafter
+''')
+
+
+def test_a_drafter_is_built_with_the_target_s_tokenizer(tmp_path, tiny_target):
+    """A drafter that works on text (REST's retrieval store, a lookup in documents) gets the
+    target's tokenizer from the engine, as it gets the vocabulary size."""
+    (tmp_path / "text_drafters.py").write_text(TEXT_DRAFTER)
+    run = python(f"""
+        from specflow import SpecEngine
+        from specflow.registry import load_module
+        load_module("text_drafters.py")
+        engine = SpecEngine({str(tiny_target)!r}, {{"type": "text"}}, device="cpu", dtype="float32")
+        print(engine.drafter.tokenizer is engine.tokenizer, engine.drafter.tokenizer.encode("def") == engine.encode("def"))
+        """, cwd=tmp_path)
+    assert run.stdout.split() == ["True", "True"], run.stderr
