@@ -1,5 +1,6 @@
-"""Host work per engine step: the time an EAGLE-2 speculative step (and a plain decode step)
-spends outside its device work, at several batch sizes.
+"""Host work per engine step: the time an EAGLE-2 speculative step (and a plain decode step, and
+the EAGLE engine's plain step with speculation off, which feeds its head) spends outside its
+device work, at several batch sizes.
 
     .venv/bin/python bench/host_work.py                     # batch 1, 8, 32 on this CPU
     .venv/bin/python bench/host_work.py --batch-sizes 1 64 --steps 50

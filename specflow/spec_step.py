@@ -1,6 +1,7 @@
 """Speculative decoding steps: every running request's draft tree, one batched target forward
 over the trees, the verifier's walk, then the commit of accepted tokens (K/V, stop checks,
-logprobs, step records, the drafter's state). The engine's path when it has a drafter."""
+logprobs, step records, the drafter's state). The engine's path when it has a drafter and some
+running request speculates (else specflow.overlap's plain steps)."""
 
 from __future__ import annotations
 

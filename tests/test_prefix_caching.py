@@ -210,3 +210,21 @@ def test_a_waiting_head_is_matched_again_only_when_it_could_fit():
         waited += head in eng._requests and eng._requests[head].status is Status.WAITING
     assert waited > 20 and matched == [1, 0]  # matched when it came, then once the running request had ended
     assert outputs[head].token_ids == alone.token_ids and outputs[head].num_cached_tokens > 0
+
+
+def test_a_waiting_head_is_matched_again_once_pages_it_can_share_are_cached():
+    """A head that did not fit is looked up again as soon as the pages cached since could make
+    it fit (PrefixCache.num_inserted), also while the request that cached them holds them: here
+    the prompt prefilled in chunks ahead of it, whose first 32 tokens it shares (not enough to
+    wait for them, SHARED_PREFIX_WAIT), cached once its last chunk is in. The head then runs
+    beside it, reading those pages, rather than waiting for it to end."""
+    eng = engine(kv_cache_tokens=90, max_prefill_tokens=8, prefix_caching=True, max_batch_size=4)
+    shared = list(range(3, 35))                                                        # 32 tokens
+    first = eng.add_request(shared + [100, 101, 102, 103],                             # chunks 8, 8, 8, 8, 4
+                            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    head = eng.add_request(shared + list(range(200, 240)), SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          ignore_eos=True))
+    outputs = []
+    while eng.has_unfinished():
+        outputs += eng.step()
+    assert [o.request_id for o in outputs] == [head, first] and outputs[0].num_cached_tokens == len(shared)
