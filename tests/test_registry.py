@@ -20,8 +20,10 @@ SUFFIX_DRAFTER = textwrap.dedent('''
     @DRAFTERS.register("echo", config=EchoConfig)
     class EchoDrafter(NgramDrafter):
         @classmethod
-        def from_config(cls, cfg, vocab_size=None, **_):
-            return cls(vocab_size=vocab_size)
+        def from_config(cls, cfg, vocab_size=None, tokenizer=None, **_):
+            drafter = cls(vocab_size=vocab_size)
+            drafter.tokenizer = tokenizer  # (what a drafter that works on text, as REST's store, reads)
+            return drafter
 ''')
 
 
@@ -214,39 +216,15 @@ def test_a_drafter_object_without_needs_is_named(tiny_target):
         SpecEngine(tiny_target, Needless(), {"type": "chain"}, {"type": "greedy"}, device="cpu", dtype="float32")
 
 
-TEXT_DRAFTER = textwrap.dedent('''
-    from dataclasses import dataclass
-
-    from drafters.ngram import NgramDrafter
-    from specflow.registry import DRAFTERS
-
-
-    @dataclass
-    class TextConfig:
-        pass
-
-
-    @DRAFTERS.register("text", config=TextConfig)
-    class TextDrafter(NgramDrafter):
-        """Reads text (a retrieval store would): it needs the target's tokenizer."""
-
-        @classmethod
-        def from_config(cls, cfg, vocab_size=None, tokenizer=None, **_):
-            drafter = cls(vocab_size=vocab_size)
-            drafter.tokenizer = tokenizer
-            return drafter
-''')
-
-
 def test_a_drafter_is_built_with_the_target_s_tokenizer(tmp_path, tiny_target):
     """A drafter that works on text (REST's retrieval store, a lookup in documents) gets the
     target's tokenizer from the engine, as it gets the vocabulary size."""
-    (tmp_path / "text_drafters.py").write_text(TEXT_DRAFTER)
+    (tmp_path / "my_drafters.py").write_text(SUFFIX_DRAFTER)
     run = python(f"""
         from specflow import SpecEngine
         from specflow.registry import load_module
-        load_module("text_drafters.py")
-        engine = SpecEngine({str(tiny_target)!r}, {{"type": "text"}}, device="cpu", dtype="float32")
+        load_module("my_drafters.py")
+        engine = SpecEngine({str(tiny_target)!r}, {{"type": "echo"}}, device="cpu", dtype="float32")
         print(engine.drafter.tokenizer is engine.tokenizer, engine.drafter.tokenizer.encode("def") == engine.encode("def"))
         """, cwd=tmp_path)
     assert run.stdout.split() == ["True", "True"], run.stderr
