@@ -24,15 +24,17 @@ from specflow.registry import plugin_sources
 from specflow.runtime.cuda_graph import capture_sizes
 
 
-ROW_KEYS = ("id", "category", "turn", "tokens", "steps", "accept_lengths", "draft_depths", "seconds",
-            "batch")  # rows.jsonl
+ROW_KEYS = ("id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths", "draft_depths",
+            "seconds", "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 
 def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfig, desc: str) -> list[dict]:
     """Warm up, then generate every prompt (``cfg.batch_size`` at a time), turn by turn; one row per
     prompt and turn with its batch's index and wall time (and its StepRecords when the engine
-    records them). A later turn's prompt is the chat so far, with this engine's own answers."""
+    records them). A later turn's prompt is the chat so far, with this engine's own answers. A turn
+    gets at most the new tokens the model's context leaves (its row's ``max_tokens``); a chat that
+    fills the context ends there, its turns left without rows (``context_cuts``)."""
     sampling, batch_size = cfg.sampling, cfg.batch_size
     turns = [[p.text, *p.later_turns][: cfg.prompts.turns] for p in prompts]
     chats = [[{"role": "user", "content": t[0]}] for t in turns]  # each question's messages so far
@@ -73,26 +75,37 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
             engine.generate(ids, [dataclasses.replace(first, ignore_eos=True, seed=sampling.seed - 1 - n - j)
                                   for j in range(size)])
             n += size
-    rows, batch = [], 0
+    rows, batch, context = [], 0, engine.model.config.max_position_embeddings
     with tqdm(total=sum(map(len, turns)), desc=desc, unit="prompt", leave=False) as bar:
         for turn in range(cfg.prompts.turns):
-            live = [i for i, t in enumerate(turns) if len(t) > turn]  # questions with this turn
-            texts = [render(chats[i]) for i in live]
-            # prompt i's seed in the first turn, then seeds no earlier turn had
-            params = [sampling_params(sampling, i + turn * len(prompts)) for i in live]
+            live, texts, params = [], [], []  # questions with this turn, their chats, their SamplingParams
+            for i, t in enumerate(turns):
+                if len(t) <= turn:
+                    continue
+                text = render(chats[i])
+                room = context - len(engine.encode(text))  # the new tokens the context leaves this turn
+                if room < 1:  # the chat fills the context: no row, nor for its later turns (it stays
+                    bar.update()  # as it is); the run goes on
+                    continue
+                live.append(i)
+                texts.append(text)
+                # prompt i's seed in the first turn, then seeds no earlier turn had; max_tokens cut
+                # to what the context leaves (a later turn's chat grows with the answers)
+                params.append(dataclasses.replace(sampling_params(sampling, i + turn * len(prompts)),
+                                                  max_tokens=min(sampling.max_tokens, room)))
             for start in range(0, len(live), batch_size):
                 chunk = slice(start, start + batch_size)
                 t0 = time.perf_counter()
                 outs = engine.generate(texts[chunk], params[chunk])
                 engine.synchronize()  # (plain decoding may leave a forward queued)
                 seconds = time.perf_counter() - t0
-                for i, out in zip(live[chunk], outs):
+                for i, out, param in zip(live[chunk], outs, params[chunk]):
                     p = prompts[i]
-                    rows.append({"id": p.id if turn == 0 else f"{p.id}/{turn + 1}", "category": p.category,
+                    rows.append({"id": turn_id(p, turn), "category": p.category,
                                  "turn": turn + 1, "batch": batch, "seconds": seconds,
                                  "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
                                  "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
-                                 "draft_depths": out.draft_depths,
+                                 "draft_depths": out.draft_depths, "max_tokens": param.max_tokens,
                                  "token_ids": out.token_ids, "step_records": out.steps})
                     if turn + 1 < len(turns[i]):
                         chats[i] += [{"role": "assistant", "content": out.text},
@@ -100,6 +113,20 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                 batch += 1
                 bar.update(len(outs))
     return rows
+
+
+def turn_id(prompt: Prompt, turn: int) -> str:
+    """A row's id: the question's for its first turn, ``<id>/<turn number>`` for a later one."""
+    return prompt.id if turn == 0 else f"{prompt.id}/{turn + 1}"
+
+
+def context_cuts(rows: list[dict], prompts: list[Prompt], cfg: ExperimentConfig) -> dict:
+    """The turns the model's context cut, by id: ``turns_shortened``, sent with fewer new tokens
+    than ``max_tokens``, and ``turns_left_out``, whose chat had no room for one (``run_pipeline``)."""
+    got = {r["id"] for r in rows}
+    asked = [turn_id(p, t) for p in prompts for t in range(min(cfg.prompts.turns, 1 + len(p.later_turns)))]
+    return {"turns_shortened": [r["id"] for r in rows if r["max_tokens"] < cfg.sampling.max_tokens],
+            "turns_left_out": [i for i in asked if i not in got]}
 
 
 def warmup_batch_sizes(batch_size: int, num_prompts: int) -> list[int]:
@@ -226,7 +253,8 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "repeats": cfg.repeats, "sampling": dataclasses.asdict(cfg.sampling),
                "pipelines": {"baseline": summarize(baseline, None)}}
-    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": baseline_seconds}
+    results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": baseline_seconds,
+                                         **context_cuts(baseline, prompts, cfg)}
     record("baseline", baseline)
     save()
     for p in pipelines:
@@ -237,7 +265,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
             run_seconds = [batch_seconds(r) for r in runs[p.name]]  # (before fastest() sets the last run's)
             rows = fastest(runs[p.name])
             results["pipelines"][p.name] = summarize(rows, baseline) | {
-                "lossless": engine.verifier.lossless, "run_seconds": run_seconds,
+                "lossless": engine.verifier.lossless, "run_seconds": run_seconds, **context_cuts(rows, prompts, cfg),
                 "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)
         save()

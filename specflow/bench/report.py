@@ -68,6 +68,12 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
         best = results["best"]
         lines += ["", "## Best", "", f"`{best}`: speedup {finished[best]['speedup']:.2f}x, accept length "
                                      f"{finished[best]['accept_length']:.2f}" if best else "no point finished"]
+    cut = {n: s for n, s in finished.items() if s.get("turns_shortened") or s.get("turns_left_out")}
+    if cut:
+        lines += ["", "## Cut by the model's context", "", "Turns whose chat left fewer than max_tokens new tokens "
+                  "in the model's context (shortened), or none (left out, with the question's later turns):", ""]
+        lines += [f"- `{n}`: {len(s['turns_shortened'])} shortened, {len(s['turns_left_out'])} left out "
+                  f"({', '.join(s['turns_left_out']) or 'none'})" for n, s in cut.items()]
     failed = {n: s["error"] for n, s in results["pipelines"].items() if "error" in s}
     if failed:
         lines += ["", "## Failed pipelines", ""] + [f"- `{n}`: {err}" for n, err in failed.items()]

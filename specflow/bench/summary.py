@@ -34,8 +34,9 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
                 out["speedup"] = out["tokens_per_s"] / (sum(r["tokens"] for r in base) / max(batch_seconds(base), 1e-9))
                 if len({r["batch"] for r in sel}) == len(sel):  # one prompt a batch: each prompt's own time
                     out["speedup_mean_per_prompt"] = mean_tokens_per_s(sel) / mean_tokens_per_s(base)
-        if base is not None:
-            out["matches_baseline"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(sel, base)) / len(sel)
+        if base is not None:  # (by id: the model's context may have left a turn out on one side)
+            tokens_of = {r["id"]: r["token_ids"] for r in base}
+            out["matches_baseline"] = sum(r["token_ids"] == tokens_of.get(r["id"]) for r in sel) / len(sel)
         return out
 
     lat = torch.tensor([r["seconds"] for r in rows])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.bench.experiment import run_pipeline, warmup_batch_sizes
+from specflow.bench.experiment import context_cuts, run_pipeline, warmup_batch_sizes
 from specflow.bench.summary import acceptance_by_depth, summarize
 from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
                                               sampling_params)
@@ -80,8 +80,8 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     rows = read_jsonl(out / "rows.jsonl")
     assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
                                                           for b in (0, 1)]
-    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "steps", "accept_lengths", "draft_depths",
-                            "seconds", "batch"}
+    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths",
+                            "draft_depths", "seconds", "batch"}
     steps = read_jsonl(out / "steps.jsonl")
     for r in rows:
         mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
@@ -211,9 +211,9 @@ def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch
 
     def timed_rows(engine, prompts, cfg, name):
         t = next(times)
-        return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "tokens": 4, "steps": 3,
-                 "step_tokens": 3, "accept_lengths": [1] * 3, "draft_depths": [0] * 3, "token_ids": [0] * 4,
-                 "step_records": []}
+        return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "tokens": 4,
+                 "max_tokens": 8, "steps": 3, "step_tokens": 3, "accept_lengths": [1] * 3, "draft_depths": [0] * 3,
+                 "token_ids": [0] * 4, "step_records": []}
                 for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(experiment, "run_pipeline", timed_rows)
@@ -621,3 +621,33 @@ def test_the_warmup_is_as_wide_as_a_later_turn_s_prompt(tmp_path):
                                           .extend(len(engine.encode(p)) for p in ps) or generate(ps, params))
     run_pipeline(engine, load_suite(str(suite)), cfg, "x")
     assert len(timed) == 2 and min(warm) >= max(timed)
+
+
+def test_a_chat_that_outgrows_the_context_is_cut_and_the_run_goes_on(tmp_path):
+    """A later turn's chat grows with the answers: a turn gets the new tokens the model's context
+    leaves it (the row's max_tokens), and a chat with no room for one more ends there, its turn
+    without a row, while the other questions run on (Spec-Bench's 2 turns of 1024 new tokens pass
+    a 2048-token context)."""
+    suite = tmp_path / "question.jsonl"
+    rows_in = [{"question_id": "a", "category": "writing", "turns": ["def add(a, b):", "Now in C."]},
+               {"question_id": "b", "category": "code", "turns": ["import os\n" * 6 + "def walk(path):", "Tests?"]}]
+    suite.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
+    prompts = load_suite(str(suite))
+    cfg = ExperimentConfig(batch_size=2, sampling=SamplingConfig(max_tokens=12, ignore_eos=True))
+    cfg.prompts.chat_template, cfg.prompts.turns = True, 2
+    engine = SpecEngine(ZOO_TARGET, device="cpu", dtype="float32", max_batch_size=2)
+    sent = []
+    generate = engine.generate
+    engine.generate = lambda ps, params: sent.extend(len(engine.encode(p)) for p in ps if isinstance(p, str)) \
+        or generate(ps, params)
+    full = run_pipeline(engine, prompts, cfg, "x")
+    _, b1, a2, b2 = sent
+    context = a2 + 5  # turn 2 of "a" gets 5 new tokens; "b"'s chat outgrows it
+    assert b1 + 12 <= context < b2 and [r["max_tokens"] for r in full] == [12] * 4
+    engine.model.config.max_position_embeddings = context
+    rows = run_pipeline(engine, prompts, cfg, "x")
+    assert [(r["id"], r["max_tokens"], r["tokens"]) for r in rows] == [("a", 12, 12), ("b", 12, 12), ("a/2", 5, 5)]
+    assert context_cuts(rows, prompts, cfg) == {"turns_shortened": ["a/2"], "turns_left_out": ["b/2"]}
+    assert context_cuts(full, prompts, cfg) == {"turns_shortened": [], "turns_left_out": []}
+    # the baseline's rows are matched by id: a turn left out on one side is no mismatch on the other
+    assert summarize(rows[:2], full)["matches_baseline"] == 1.0

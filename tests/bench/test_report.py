@@ -45,3 +45,17 @@ def test_the_header_does_not_promise_exact_lossy_pipelines(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| topk | no | 2.30 |" in md and "| 0% |" in md
     assert "every pipeline is exact" not in md and "at temperature 0 such a pipeline is exact" in md
+
+
+def test_turns_the_context_cut_are_listed_by_pipeline(tmp_path):
+    base = {"prompts": 2, "tokens": 8, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+            "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0}},
+            "turns_shortened": ["a/2"], "turns_left_out": []}
+    cut = base | {"turns_shortened": [], "turns_left_out": ["a/2", "b/2"]}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 2,
+               "repeats": 1, "sampling": {"temperature": 0.7, "max_tokens": 8}, "torch_version": "2.5",
+               "git_commit": None, "pipelines": {"baseline": base, "p": cut, "q": base | {"turns_shortened": []}}}
+    write_report(results, {n: [{"accept_lengths": [1] * 8}] for n in ("baseline", "p", "q")}, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "## Cut by the model's context" in md and "`q`" not in md.split("## Cut")[1]
+    assert "- `baseline`: 1 shortened, 0 left out (none)" in md and "- `p`: 0 shortened, 2 left out (a/2, b/2)" in md
