@@ -124,10 +124,10 @@ class Pipeline:
     def check_tree(self, tree: DraftTree, roots: Roots, vocab_size: int, full: bool = False) -> None:
         """Refuse a drafted tree, naming the drafter and tree builder: a tree without its mask, of
         another node count than the builder's ``num_draft_tokens`` (what the KV cache, the
-        scheduler and CUDA graphs reserve), or with q over another vocabulary (host-known
-        attributes and shapes: always, no wait); with ``full`` (``check_drafts``), also the tree's
-        structure, its root (the request's last committed token at its position), its token ids
-        and its drafts' q (finite, non-negative, and with mass on every sampled node's token at
+        scheduler and CUDA graphs reserve), with q over another vocabulary, or, where the tree lies
+        on the host (a CPU run), with token ids outside the vocabulary (always: no wait); with
+        ``full`` (``check_drafts``), also the tree's structure, its root (the request's last
+        committed token at its position), its token ids wherever they lie, and its drafts' q (finite, non-negative, and with mass on every sampled node's token at
         its parent), each read back from the device (a wait per step: for developing drafters,
         not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
@@ -143,6 +143,11 @@ class Pipeline:
         if q is not None and q.shape[-1] != vocab_size:
             raise ValueError(f"{where} returned draft probabilities q over {q.shape[-1]} tokens; the target's "
                              f"vocabulary has {vocab_size}")
+        if full or tree.tokens.device.type == "cpu":  # (an accelerator's ids: only with check_drafts, a wait)
+            tokens = tree.tokens[tree.valid]
+            if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+                raise ValueError(f"{where} drafted token ids outside [0, {vocab_size}) (the target's vocabulary): "
+                                 f"min {int(tokens.min())}, max {int(tokens.max())}")
         if not full:
             return
         n = tree.num_nodes
@@ -156,10 +161,6 @@ class Pipeline:
             if not torch.equal(built, want):
                 raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
                                  f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are {want.tolist()}")
-        tokens = tree.tokens[tree.valid]
-        if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
-            raise ValueError(f"{where} drafted token ids outside [0, {vocab_size}) (the target's vocabulary): "
-                             f"min {int(tokens.min())}, max {int(tokens.max())}")
         if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
         if q is not None and n > 1:

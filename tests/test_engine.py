@@ -363,16 +363,22 @@ class BrokenDrafter(StatelessDrafter):
         return Expansion(torch.full((b, f, frontier.k), self.token), torch.full((b, f, frontier.k), -1.0), q)
 
 
-@pytest.mark.parametrize("drafter, tree, message", [
-    (BrokenDrafter(10_000), {"type": "chain", "depth": 2}, r"drafted token ids outside \[0, \d+\).*max 10000"),
-    (BrokenDrafter(-3), {"type": "chain", "depth": 2}, r"drafted token ids outside .*min -3"),
+@pytest.mark.parametrize("drafter, tree, message, check", [
+    (BrokenDrafter(10_000), {"type": "chain", "depth": 2}, r"drafted token ids outside \[0, \d+\).*max 10000", True),
+    (BrokenDrafter(-3), {"type": "chain", "depth": 2}, r"drafted token ids outside .*min -3", True),
     (BrokenDrafter(5, q_value=float("nan")), {"type": "chain", "depth": 2, "sample": True},
-     "returned draft probabilities q with NaN, infinite or negative entries"),
+     "returned draft probabilities q with NaN, infinite or negative entries", True),
+    # a tree on the host has its token ids checked without check_drafts too (no wait), not
+    # left to the embedding's index error
+    (BrokenDrafter(10_000), {"type": "chain", "depth": 2}, r"drafted token ids outside \[0, \d+\).*max 10000", False),
+    (BrokenDrafter(-3), {"type": "static", "choices": [[0], [1], [0, 0]]}, r"drafted token ids outside .*min -3",
+     False),
 ])
-def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, tree, message):
+def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, tree, message, check):
     engine = SpecEngine(tiny_target, drafter, tree, {"type": "rejection"}, device="cpu", dtype="float32",
-                        check_drafts=True)
-    with pytest.raises(ValueError, match="the BrokenDrafter drafter with the ChainBuilder " + message):
+                        check_drafts=check)
+    builder = type(engine.pipeline.tree).__name__
+    with pytest.raises(ValueError, match=f"the BrokenDrafter drafter with the {builder} " + message):
         engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
 
 
