@@ -37,7 +37,9 @@ class EagleRecipeConfig:
     bias: bool = True                      # fc bias (the EAGLE-1 layout's default)
     feature_weight: float = 1.0
     logit_weight: float = 0.1
-    noise: float = 0.2                     # width of the uniform noise added to input features
+    # width of the uniform noise added to input features, as given (SafeAILab's AddUniformNoise
+    # scales its 0.2 by 512 / sequence length: set 0.4 at seq_len 256 to match it)
+    noise: float = 0.2
     save_dtype: str = "float32"
 
     def __post_init__(self):
