@@ -103,6 +103,8 @@ def decode_body(model: type[Body], raw: bytes, content_type: str | None) -> Body
         for error in errors:
             if error["type"] == "extra_forbidden":   # (pydantic says "Extra inputs are not permitted")
                 error["msg"] = "not a parameter this server takes (see the README for what it supports)"
+            elif error["type"] == "value_error":   # our checks' own words, without pydantic's "Value error, "
+                error["msg"] = str(error["ctx"]["error"])
         message = "; ".join(f"{f}: {error['msg']}" if f else error["msg"] for f, error in zip(fields, errors))
         raise ApiError(400, message, param=fields[0] or None) from None
 

@@ -44,13 +44,14 @@ def usage(outputs: list[RequestOutput], prompt_tokens: int, cached_tokens: int) 
 
 
 def cached(outputs: list[RequestOutput], n: int) -> int:
-    """Prompt tokens the prefix cache held, once per prompt (of its ``n`` choices, the most)."""
-    return sum(max(o.num_cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
+    """Prompt tokens the prefix cache held, once per prompt: of its ``n`` choices, the fewest (the
+    later choices of a new prompt read the pages the first one wrote)."""
+    return sum(min(o.num_cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
 
 
-def sse(chunk: BaseModel | dict) -> str:
-    """One server-sent event carrying a JSON chunk."""
-    body = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+def sse(chunk: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    """One server-sent event carrying a JSON chunk (a model's without the ``exclude`` fields)."""
+    body = chunk.model_dump_json(exclude=exclude) if isinstance(chunk, BaseModel) else json.dumps(chunk)
     return f"data: {body}\n\n"
 
 
@@ -221,8 +222,10 @@ class OpenAIServing:
         turns into None sends nothing. The ``first`` chunks (the chat role) go out with the first
         delta, as vLLM and SGLang send them: clients time the first token by the first chunk, and
         a request may wait in the queue for long. If the client goes away, Starlette cancels this
-        generator mid-await and ``finally`` aborts the requests at once."""
+        generator mid-await and ``finally`` aborts the requests at once. Chunks carry ``usage``
+        (null but in the ``final`` one) only when the client asked for it, as OpenAI sends them."""
         outs: dict[int, RequestOutput] = {}
+        exclude = None if final is not None else {"usage"}
         try:
             while len(outs) < len(sub.choices):
                 d = await sub.deltas.get()
@@ -230,12 +233,12 @@ class OpenAIServing:
                     yield sse(error_body("the engine failed while generating; see the server log", "server_error"))
                     return
                 for c in first:
-                    yield sse(c)
+                    yield sse(c, exclude)
                 first = []
                 if d.output is not None:
                     outs[d.index] = d.output
                 if (d.text or d.finish_reason or d.logprobs or d.prompt_logprobs) and (c := chunk(d)) is not None:
-                    yield sse(c)
+                    yield sse(c, exclude)
             if final is not None:
                 yield sse(final([outs[i] for i in range(len(sub.choices))]))
             yield "data: [DONE]\n\n"

@@ -20,12 +20,13 @@ class ApiKeyAuth:
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            # (the scheme's case does not matter, RFC 9110; the key's does)
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(given, self.key) and scheme.lower() == b"bearer"):
                 body = error_body("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
                 await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)

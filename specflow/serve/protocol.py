@@ -93,11 +93,12 @@ class SamplingFields(_Strict):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
         return stops
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions, info: ValidationInfo) -> StreamOptions:
+        if not info.data.get("stream"):   # (a field check, so the error names it)
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return v
 
     def choice_seed(self, choice: int) -> int | None:
         """Choice ``i`` samples with seed ``seed + i`` wrapped into ``[0, 2^63)``, so that choices
@@ -186,7 +187,10 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _tool_fields_fit_the_role(self):
+    def _fields_fit_the_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a{'n' if self.role == 'assistant' else ''} {self.role} message needs content"
+                             + (" (or tool_calls)" if self.role == "assistant" else ""))
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if (self.tool_call_id is not None) != (self.role == "tool"):
@@ -301,11 +305,12 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice 'required' {NO_GUIDED_DECODING}; {AUTO_OR_NONE}")
         return v
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int, info: ValidationInfo) -> int:
+        if not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return v
 
     @property
     def max_new_tokens(self) -> int | None:

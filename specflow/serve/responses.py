@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
 from specflow.serve.protocol import FunctionCall, ToolCall
 
@@ -98,9 +98,15 @@ class ToolCallChunk(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """What a chunk adds to the message: only the fields it carries (the role in the first)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
+
+    @model_serializer(mode="wrap")
+    def _carried(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -15,6 +15,8 @@ from fastapi.testclient import TestClient
 
 from specflow import SpecEngine
 from specflow.serve import build_app
+from specflow.serve.app import decode_body
+from specflow.serve.inputs import ApiError
 from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.serve.conftest import API_KEY, KV_CACHE_TOKENS, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
 
@@ -85,6 +87,11 @@ BAD = [
      400, "stream_options"),
     ("top_logprobs without logprobs", "chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("user message without content", "chat/completions", {"model": MODEL, "messages": [{"role": "user"}]},
+     400, "a user message needs content"),
+    ("assistant message without content or tool_calls", "chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+     400, "an assistant message needs content (or tool_calls)"),
     ("unknown model", "completions", {**GOOD, "model": "gpt-5"}, 404, "model"),
     ("prompt longer than the context", "completions", {**GOOD, "prompt": [7] * 5000}, 400, "context length"),
     ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 5000}, 400, "context length"),
@@ -145,9 +152,23 @@ def test_bad_inputs_are_openai_errors_while_a_good_request_is_served(server):
         assert set(error) == {"message", "type", "param", "code"}, name
         assert error["type"] == "invalid_request_error", name
         assert where in error["message"] or where == error["param"], (name, error)
+        assert "Value error" not in error["message"], (name, error)   # (pydantic's wording of our checks)
     events = [line[6:] for line in good.result().text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
+    (ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    (ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
+     "messages.1"),
+])
+def test_a_check_across_fields_names_the_field_it_refuses(model, body, param):
+    with pytest.raises(ApiError) as refused:
+        decode_body(model, json.dumps(body).encode(), "application/json")
+    assert refused.value.body["error"]["param"] == param
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "application/jsonl"])
@@ -313,6 +334,10 @@ def test_api_key(server):
         anonymous.models.list()
     response = httpx.post(server.url + "/v1/completions", json=GOOD)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    # the scheme in any case (RFC 9110), the key exactly
+    for header, status in ((f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer {API_KEY.upper()}x", 401),
+                           (f"Basic {API_KEY}", 401), (API_KEY, 401), (f"Bearer  {API_KEY}", 401)):
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": header}).status_code == status, header
     assert httpx.get(server.url + "/health").status_code == 200   # probes and scrapers need no key
     assert httpx.get(server.url + "/metrics").status_code == 200
 

@@ -4,6 +4,7 @@ conversations too), n / seed, logprobs under speculation, and 32 concurrent requ
 pressure equal to sequential ones."""
 
 import dataclasses
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -73,6 +74,15 @@ def test_a_shared_prefix_is_reported_cached_and_changes_nothing(client, server, 
     assert server.metric("specflow_cached_prompt_tokens_total") == cached_before + cached
     assert second.choices[0].message.content == plain_chat(reference, messages).text
     assert server.metric("specflow_kv_pages_used") == 0 < server.metric("specflow_kv_pages_cached")
+
+
+def test_the_choices_of_a_new_prompt_report_none_of_it_cached(client):
+    """With n > 1 the later choices read the pages the first one wrote; the prompt counts once,
+    and one never sent before had none of its tokens cached."""
+    prompt = f"# {uuid.uuid4().hex}\nclass Matrix:\n    def __init__(self, rows, cols):\n        self.rows = rows\n" * 2
+    first, again = (client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=2, temperature=1.0, seed=0)
+                    for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 < again.usage.prompt_tokens_details.cached_tokens
 
 
 def test_penalties_and_logit_bias_equal_plain_decoding_with_them(client, reference):
