@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from specflow.config import ConfigError, load_yaml, validate
@@ -114,14 +115,30 @@ class SpecEngine:
             raise ConfigError(f"engine.{e}") from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "SpecEngine":
-        """Build from an engine YAML (the ``engine:`` section of an experiment, or a bare one)."""
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None,
+                  pipeline: str | None = None) -> "SpecEngine":
+        """Build from an engine YAML: a bare one, a serve file's ``engine:`` section, or an
+        experiment's with one of its ``pipelines`` (``pipeline``: its name; "baseline": plain
+        decoding), whose drafter, tree and verifier replace the engine's."""
         cfg = load_yaml(path, overrides)
-        if "engine" in cfg:  # an experiment or serve file: overrides must reach its engine section
-            stray = [o for o in overrides or [] if not o.startswith("engine.")]
-            if stray:
-                raise ConfigError(f"override '{stray[0]}' does not reach the engine; write engine.{stray[0]}")
-        node = cfg.engine if "engine" in cfg else cfg
+        names = [str(p.get("name")) for p in cfg.get("pipelines") or []]
+        if pipeline is not None and not names:
+            raise ConfigError(f"pipeline: '{pipeline}', but {path} has no pipelines (it is no experiment)")
+        if "engine" not in cfg:
+            return cls.from_config(validate(EngineConfig, cfg, "engine"))
+        # an experiment or serve file: overrides must reach what is built from it
+        stray = [o for o in overrides or [] if not o.startswith(("engine.", "pipelines."))]
+        if stray:
+            raise ConfigError(f"override '{stray[0]}' does not reach the engine; write engine.{stray[0]}")
+        node = OmegaConf.to_container(cfg.engine, resolve=True)
+        if names and pipeline is None:
+            raise ConfigError(f"{path} is an experiment: pass pipeline= one of {', '.join(names)}, baseline "
+                              f"(its drafter, tree and verifier join the engine section)")
+        if pipeline not in (None, "baseline"):
+            if pipeline not in names:
+                raise ConfigError(f"pipeline: '{pipeline}' is not one of {', '.join(names) or '(none)'}, baseline")
+            chosen = OmegaConf.to_container(cfg.pipelines[names.index(pipeline)], resolve=True)
+            node |= {key: chosen.get(key) for key in ("drafter", "tree", "verifier")}
         return cls.from_config(validate(EngineConfig, node, "engine"))
 
     # ----------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ class OverlapDecoding:
             root = req.seq[-1]
             landed.append((b, req))
             req.accept_lengths.append(req.append([token]))
-            req.draft_depths.append(0)  # (no draft)
+            req.tried_depths.append(0)  # (no draft)
             if req.logprobs is not None:
                 req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
             if self.engine.record_steps:  # the one-node tree of DraftTree.root_only

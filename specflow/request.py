@@ -32,8 +32,9 @@ class RequestOutput:
     text: str | None                # None when the target has no tokenizer
     finish_reason: str | None       # "stop" (EOS / stop string / stop token) or "length"
     accept_lengths: list[int]       # tokens committed by each step (accepted drafts + bonus)
-    # each step's tree depth: its deepest valid node's (0: root only, a step that drafted nothing)
-    draft_depths: list[int] = field(default_factory=list)
+    # each step's tried depth: its deepest draft the verifier tested on the accepted path (the
+    # accepted drafts, + 1 where the last accepted node had children; 0: nothing drafted)
+    tried_depths: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     # one per prompt token when SamplingParams.prompt_logprobs is set (None for the first)
@@ -102,7 +103,7 @@ class Request:
         self.output_ids: list[int] = []
         self.seq: list[int] = list(prompt_ids)  # prompt + generated ids, kept in step with output_ids
         self.accept_lengths: list[int] = []
-        self.draft_depths: list[int] = []  # beside accept_lengths: each step's tree depth (0: root only)
+        self.tried_depths: list[int] = []  # beside accept_lengths: each step's tried depth (spec_step.tried_depth)
         self.steps: list[StepRecord] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
@@ -186,7 +187,7 @@ class Request:
         if text is None and self.stream is not None:
             text = self.stream.decode(self.output_ids) if self.finished else self.stream.text(self.output_ids)
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
-                             self.finish_reason, list(self.accept_lengths), list(self.draft_depths), list(self.steps),
+                             self.finish_reason, list(self.accept_lengths), list(self.tried_depths), list(self.steps),
                              None if self.logprobs is None else list(self.logprobs),
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              self.num_cached_tokens)

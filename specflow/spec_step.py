@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from specflow.logprobs import add_token_logprobs
 from specflow.request import Request, RequestOutput
@@ -52,15 +53,15 @@ class SpeculativeDecoding:
             if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
                 tree = tree.to(engine.device)
             verdict = self._verify(tree, out, batch, drafted)
-            # the verdict, the tree's tokens and each row's deepest valid node come to the host in
-            # one copy: with a beam's tree and the greedy verifier, the step's one wait for the device
-            *verdict, tokens, depths = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens,
-                                                tree.tokens, (tree.depth * tree.valid).amax(1)])  # depths [B]
+            # the verdict, the tree's tokens and each row's tried depth come to the host in one
+            # copy: with a beam's tree and the greedy verifier, the step's one wait for the device
+            *verdict, tokens, tried = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens,
+                                               tree.tokens, tried_depth(tree, verdict)])
             if engine.check_drafts and tree.num_nodes > 1:  # (a root-only step's verdict is the engine's own)
                 engine.pipeline.check_verdict(tree, Verdict(*verdict), engine.model.config.vocab_size)
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
-            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings, depths.tolist())
+            finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings, tried.tolist())
             break
         return finished
 
@@ -155,10 +156,10 @@ class SpeculativeDecoding:
         return Verdict(zeros, zeros[:, 0], bonus)
 
     def _commit(self, batch: list[Request], tree: DraftTree, verdict: Verdict, tokens: list[list[int]],
-                out: ExtendOutput, timings: dict[str, float], depths: list[int]) -> list[RequestOutput]:
+                out: ExtendOutput, timings: dict[str, float], tried: list[int]) -> list[RequestOutput]:
         """Keep accepted K/V, append accepted tokens + bonus with stop checks, sync the drafter;
-        ``verdict`` is on the host, ``tokens`` are the tree's and ``depths`` each row's deepest
-        valid node."""
+        ``verdict`` is on the host, ``tokens`` are the tree's and ``tried`` each row's
+        ``tried_depth``."""
         engine = self.engine
         finished, live, logprobs = [], [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
@@ -172,7 +173,7 @@ class SpeculativeDecoding:
             new = [tokens[b][i] for i in accepted[1:]] + [bonus[b]]
             kept = req.append(new)
             req.accept_lengths.append(kept)
-            req.draft_depths.append(depths[b])
+            req.tried_depths.append(tried[b])
             if req.logprobs is not None:  # token i was committed at node accepted[i]
                 logprobs.append((req, rows[b][:kept], new[:kept]))
             if engine.record_steps:
@@ -188,3 +189,13 @@ class SpeculativeDecoding:
             engine.drafter.commit(sub, engine._feed.layout([batch[b] for b in live], [rows[b] for b in live], out,
                                                            [len(rows[b]) + 1 for b in live]))
         return finished
+
+
+def tried_depth(tree: DraftTree, verdict: Verdict) -> Tensor:
+    """[B] the depth of the deepest draft the verifier tried on its accepted path: the accepted
+    drafts, plus one where the last accepted node has a valid child (whose test failed). A path
+    that ends at a leaf tried nothing deeper, however deep the tree's other branches go."""
+    # (clamped: a broken verdict is check_drafts' to name, after this copy)
+    last = verdict.accepted.gather(1, verdict.accept_len.clamp(0, verdict.accepted.shape[1] - 1)[:, None])  # [B, 1]
+    parents, valid = tree.parents.to(last.device), tree.valid.to(last.device)
+    return verdict.accept_len + ((parents == last) & valid).any(1)                      # [B]

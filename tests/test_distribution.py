@@ -254,7 +254,7 @@ def test_sampled_drafts_keep_the_distribution_where_speculation_pauses(small_voc
         for o in outs:
             if o.request_id in counted:
                 counts[continuation(o.token_ids, V)] += 1
-                switched += len(o.draft_depths) > 1 and o.draft_depths[-1] == 0
+                switched += len(o.tried_depths) > 1 and o.tried_depths[-1] == 0
     assert switched > 500  # (requests whose drafted step left them a token to draw plainly)
     assert_same_distribution(counts, exact_joint(model))
 

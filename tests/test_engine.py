@@ -136,6 +136,22 @@ def test_a_yaml_s_bad_engine_value_is_named_from_the_file_s_root(override, messa
         SpecEngine.from_yaml(ROOT / "configs" / "serve.yaml", [override, "engine.target=/no/such/target"])
 
 
+def test_an_experiment_yaml_builds_the_pipeline_it_names():
+    """An experiment's engine section alone is plain decoding: from_yaml asks which pipeline (its
+    drafter, tree and verifier join the engine), rather than silently building the baseline."""
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"is an experiment: pass pipeline= one of ngram-chain, .*, baseline"):
+        SpecEngine.from_yaml(quickstart)
+    with pytest.raises(ConfigError, match=r"pipeline: 'nope' is not one of ngram-chain, "):
+        SpecEngine.from_yaml(quickstart, pipeline="nope")
+    engine = SpecEngine.from_yaml(quickstart, ["pipelines.2.tree.topk=2", "engine.kv_cache_tokens=2048"],
+                                  pipeline="eagle-eagle2")
+    assert engine.pipeline.describe() == "eagle x eagle2 x rejection" and engine.tree_builder.topk == 2
+    assert SpecEngine.from_yaml(quickstart, pipeline="baseline").drafter is None
+    with pytest.raises(ConfigError, match="has no pipelines"):
+        SpecEngine.from_yaml(ROOT / "configs" / "serve.yaml", pipeline="baseline")
+
+
 def test_abort_frees_pages(engine):
     rid = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()
@@ -326,11 +342,12 @@ def test_step_records_say_how_many_requests_shared_the_step(tiny_target):
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
-def test_draft_depths_are_each_step_s_tree_depth_and_zero_where_nothing_was_drafted(tiny_target, drafter):
+def test_tried_depths_are_the_path_s_deepest_tested_draft_and_zero_where_nothing_was_drafted(tiny_target, drafter):
     """Three requests above spec_max_batch_size decode plainly until the first finishes; then the
     one that opted out verifies its root beside the other's tree (after one plain step of the two
-    launched ahead). A step's draft depth is its tree's deepest valid node's: 0 where the request
-    drafted nothing (the target drafting itself always fills its chain of 3; an n-gram miss
+    launched ahead). A step's tried depth is its accepted drafts, plus one where its last accepted
+    node has children: 0 where the request drafted nothing (the target drafting itself always
+    fills its chain of 3, so it tests a draft at depth 3 or rejects one before; an n-gram miss
     drafts nothing)."""
     node = {"type": drafter, "path": str(tiny_target)} if drafter == "draft_model" else {"type": "ngram"}
     e = SpecEngine(tiny_target, node, {"type": "chain", "depth": 3}, {"type": "greedy"}, device="cpu",
@@ -340,15 +357,18 @@ def test_draft_depths_are_each_step_s_tree_depth_and_zero_where_nothing_was_draf
     outs = e.generate(PROMPTS, params)
     steps = []  # (draft depth, whether the request speculated in the step) of every step
     for out, p in zip(outs, params):
-        assert len(out.draft_depths) == len(out.accept_lengths) == len(out.steps)
-        for depth, n, step in zip(out.draft_depths, out.accept_lengths, out.steps):
-            assert depth == max(d for d, ok in zip(step.tree["depth"], step.tree["valid"]) if ok)
-            assert n - 1 <= depth
+        assert len(out.tried_depths) == len(out.accept_lengths) == len(out.steps)
+        for depth, n, step in zip(out.tried_depths, out.accept_lengths, out.steps):
+            last = step.accepted[-1]
+            assert depth == len(step.accepted) - 1 + any(ok and parent == last for parent, ok
+                                                         in zip(step.tree["parents"], step.tree["valid"]))
+            assert n - 1 <= depth <= n
             # (a plain step's record holds the root alone, a speculative step's a tree of 4 nodes)
             steps.append((depth, p.speculative and len(step.tree["depth"]) > 1))
     assert {speculated for _, speculated in steps} == {False, True}  # (both kinds of step ran)
     assert {d for d, speculated in steps if not speculated} == {0}
-    assert {d for d, speculated in steps if speculated} == ({3} if drafter == "draft_model" else {0, 3})
+    tried = {d for d, speculated in steps if speculated}
+    assert tried == {3} if drafter == "draft_model" else 0 in tried and max(tried) > 0
 
 
 class BrokenDrafter(StatelessDrafter):

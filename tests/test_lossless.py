@@ -132,7 +132,7 @@ def test_greedy_rows_beside_sampled_drafts_equal_plain_decoding(model, tiny_targ
                         VERIFIERS[verifier], kv_cache_tokens=2048)
     outs = engine.generate(PROMPTS * 2, [GREEDY] * 3 + SAMPLED)
     assert [o.token_ids for o in outs[:3]] == baseline
-    assert all(max(o.draft_depths) > 0 for o in outs) or drafter.startswith("ngram")  # (trees were drafted)
+    assert all(max(o.tried_depths) > 0 for o in outs) or drafter.startswith("ngram")  # (trees were drafted)
     assert engine.runner.cache.num_pages_used == 0
 
 

@@ -24,7 +24,7 @@ from specflow.registry import plugin_sources
 from specflow.runtime.cuda_graph import capture_sizes
 
 
-ROW_KEYS = ("id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths", "draft_depths",
+ROW_KEYS = ("id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths", "tried_depths",
             "seconds", "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
@@ -105,7 +105,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                                  "turn": turn + 1, "batch": batch, "seconds": seconds,
                                  "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
                                  "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
-                                 "draft_depths": out.draft_depths, "max_tokens": param.max_tokens,
+                                 "tried_depths": out.tried_depths, "max_tokens": param.max_tokens,
                                  "token_ids": out.token_ids, "step_records": out.steps})
                     if turn + 1 < len(turns[i]):
                         chats[i] += [{"role": "assistant", "content": out.text},

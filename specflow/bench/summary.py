@@ -44,7 +44,7 @@ def summarize(rows: list[dict], baseline: list[dict] | None) -> dict:
     summary["latency_s"] = {f"p{q}": float(lat.quantile(q / 100)) for q in (50, 90, 99)}
     # (each prompt's last step left out: max_tokens or a stop may have cut its accepted drafts)
     summary["acceptance_by_depth"] = acceptance_by_depth([n for r in rows for n in r["accept_lengths"][:-1]],
-                                                         [d for r in rows for d in r["draft_depths"][:-1]])
+                                                         [d for r in rows for d in r["tried_depths"][:-1]])
     summary["categories"] = {}
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]
@@ -61,21 +61,21 @@ def mean_tokens_per_s(rows: list[dict]) -> float:
     return sum(r["tokens"] / max(r["seconds"], 1e-9) for r in rows) / len(rows)
 
 
-def acceptance_by_depth(accept_lengths: list[int], draft_depths: list[int]) -> list[float]:
+def acceptance_by_depth(accept_lengths: list[int], tried_depths: list[int]) -> list[float]:
     """EAGLE's per-depth acceptance rates, from each step's committed tokens (``accept_lengths``:
-    drafts + bonus, so n - 1 accepted drafts) and its tree's depth (``draft_depths``, 0 for a
-    step that drafted nothing). Entry d - 1 is the share of steps that accepted a depth-d draft
-    among those that tried one: accepted depth d - 1 and drafted a tree reaching depth d. A step
-    whose tree stopped short of d (a root-only step, a shallower dynamic tree, an n-gram miss)
-    is no rejection at d. Up to the deepest depth some step tried (the counts tried only fall
-    with d)."""
-    assert len(accept_lengths) == len(draft_depths), "one tree depth per step"
-    steps = list(zip(accept_lengths, draft_depths))
-    assert all(n - 1 <= depth for n, depth in steps), "a step accepts no draft deeper than its tree"
+    drafts + bonus, so n - 1 accepted drafts) and its tried depth (``tried_depths``: the deepest
+    draft the verifier tested on the accepted path, ``spec_step.tried_depth``). Entry d - 1 is
+    the share of steps that accepted a depth-d draft among those that tested one: accepted depth
+    d - 1 at a node with children. A path that ended at a leaf (a chain's end, a branch of a tree
+    shallower than its others, a root-only step, an n-gram miss) is no rejection at d. Up to the
+    deepest depth some step tested (the counts tested only fall with d)."""
+    assert len(accept_lengths) == len(tried_depths), "one tried depth per step"
+    steps = list(zip(accept_lengths, tried_depths))
+    assert all(n - 1 <= t <= n for n, t in steps), "a step tests at most one draft past those it accepts"
     rates = []
-    for d in range(1, max(draft_depths, default=0) + 1):
-        tried = [n - 1 >= d for n, depth in steps if n >= d and depth >= d]  # accepted depth d - 1, drafted d
-        if not tried:
+    for d in range(1, max(tried_depths, default=0) + 1):
+        tested = [n - 1 >= d for n, t in steps if t >= d]  # (t >= d: accepted depth d - 1, tested a child)
+        if not tested:
             break
-        rates.append(sum(tried) / len(tried))
+        rates.append(sum(tested) / len(tested))
     return rates
