@@ -172,19 +172,27 @@ class Pipeline:
                 raise ValueError(f"{where} marked nodes sampled (drawn from q at their parent) whose tokens "
                                  f"have q = 0 there: the rejection rule would accept them whatever the target")
 
-    def check_verdict(self, tree: DraftTree, verdict: Verdict, vocab_size: int) -> None:
-        """Refuse a verdict that is not a path of the tree, naming the verifier (``check_drafts``):
-        ``accepted[b]`` starts at the root and each next node is a valid child of the one before,
-        ``accept_len[b]`` counts that path's drafts, and the bonus token is in the vocabulary.
-        ``verdict`` lies on the host; the tree's parents and valid flags are read back."""
+    def check_verdict(self, tree: DraftTree, verdict: Verdict, vocab_size: int, full: bool = False) -> None:
+        """Refuse a verdict, naming the verifier: of other shapes than [B, D + 1], [B], [B] or not
+        of integer ids (host-known: always, no wait); with ``full`` (``check_drafts``), also one
+        that is not a path of the tree: ``accepted[b]`` starts at the root and each next node is
+        a valid child of the one before, ``accept_len[b]`` counts that path's drafts, and the
+        bonus token is in the vocabulary (each read back from the device)."""
         where = f"the {type(self.verifier).__name__} verifier"
-        accepted, accept_len, bonus = verdict.accepted.cpu(), verdict.accept_len.cpu(), verdict.bonus_tokens.cpu()
-        parents, valid = tree.parents.cpu().tolist(), tree.valid.cpu().tolist()
+        accepted, accept_len, bonus = verdict.accepted, verdict.accept_len, verdict.bonus_tokens
         b, n = tree.batch_size, tree.num_nodes
         if accepted.dim() != 2 or accepted.shape[0] != b or accept_len.shape != (b,) or bonus.shape != (b,):
             raise ValueError(f"{where} returned a verdict of shapes accepted {tuple(accepted.shape)}, accept_len "
                              f"{tuple(accept_len.shape)}, bonus_tokens {tuple(bonus.shape)}; the tree has B = {b} "
                              f"requests: [B, D + 1], [B] and [B]")
+        dtypes = [t.dtype for t in (accepted, accept_len, bonus)]
+        if any(d.is_floating_point or d.is_complex or d == torch.bool for d in dtypes):
+            raise ValueError(f"{where} returned a verdict of dtypes accepted {dtypes[0]}, accept_len {dtypes[1]}, "
+                             f"bonus_tokens {dtypes[2]}; they are node indices, counts and token ids: torch.long")
+        if not full:
+            return
+        accepted, accept_len, bonus = accepted.cpu(), accept_len.cpu(), bonus.cpu()
+        parents, valid = tree.parents.cpu().tolist(), tree.valid.cpu().tolist()
         for r, (path, length, token) in enumerate(zip(accepted.tolist(), accept_len.tolist(), bonus.tolist())):
             if not 0 <= length < len(path):
                 raise ValueError(f"{where} returned accept_len {length} for request row {r}, whose accepted path "

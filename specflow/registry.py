@@ -113,8 +113,9 @@ TREE_BUILDERS = Registry("tree", """\
 A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).
   num_draft_tokens              - node budget N per request, root included
   build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs
-                                  (trees.growth.GrowingTree grows one: expand / add / finish,
-                                  and sets max_tries, the children a walk may try); every tree
+                                  (trees.growth.GrowingTree grows one: expand / add / finish;
+                                  a builder that knows a bound on the children a walk may try
+                                  sets the tree's max_tries, as trees/static.py does); every tree
                                   has N nodes (pad with DraftTree.pad_to) and its mask filled
                                   (DraftTree.with_mask); sampled nodes' q in draft_probs
   from_config(cfg, **ctx)       - the builder from its validated config (ctx as for drafters)""",
@@ -123,11 +124,13 @@ A tree builder decides which nodes to expand and which to keep (specflow.protoco
 VERIFIERS = Registry("verifier", """\
 A verifier accepts a path of the draft tree against the target (specflow.protocols.Verifier).
   lossless: bool                - True when the output distribution equals the target's (declared,
-                                  not checked: tests/test_distribution.py's chi-square checks it)
+                                  not checked: specflow.bench.distribution.check_lossless tests it)
   verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token;
                                   target_logits [B, N, V] are every node's, penalties applied
-                                  (target_probs processes them); a target draw uses
-                                  sampling.draws(depth), so seeded runs reproduce plain decoding;
+                                  (target_probs processes them); a target draw at a node of
+                                  depth d uses sampling.draws(D)[:, d] (next_tokens' default is
+                                  the root's: one uniform at every depth is lossy), so seeded
+                                  runs reproduce plain decoding;
                                   a walk that tests drafts with coins (sampling.coins) takes
                                   sampling = sampling.coin_walk() first, for its coins and bonus
                                   draws alike (else lossy with a drafter that learns across requests)

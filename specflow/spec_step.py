@@ -53,12 +53,12 @@ class SpeculativeDecoding:
             if tree.num_nodes > 1:  # the verifier reads it beside the target's logits (a beam's is there)
                 tree = tree.to(engine.device)
             verdict = self._verify(tree, out, batch, drafted)
+            if tree.num_nodes > 1:  # (a root-only step's verdict is the engine's own)
+                engine.pipeline.check_verdict(tree, verdict, engine.model.config.vocab_size, full=engine.check_drafts)
             # the verdict, the tree's tokens and each row's tried depth come to the host in one
             # copy: with a beam's tree and the greedy verifier, the step's one wait for the device
             *verdict, tokens, tried = to_host([verdict.accepted, verdict.accept_len, verdict.bonus_tokens,
                                                tree.tokens, tried_depth(tree, verdict)])
-            if engine.check_drafts and tree.num_nodes > 1:  # (a root-only step's verdict is the engine's own)
-                engine.pipeline.check_verdict(tree, Verdict(*verdict), engine.model.config.vocab_size)
             t2 = time.perf_counter()
             timings = {"draft": t1 - t0, "verify": t2 - t1}
             finished += self._commit(batch, tree, Verdict(*verdict), tokens.tolist(), out, timings, tried.tolist())
@@ -195,7 +195,7 @@ def tried_depth(tree: DraftTree, verdict: Verdict) -> Tensor:
     """[B] the depth of the deepest draft the verifier tried on its accepted path: the accepted
     drafts, plus one where the last accepted node has a valid child (whose test failed). A path
     that ends at a leaf tried nothing deeper, however deep the tree's other branches go."""
-    # (clamped: a broken verdict is check_drafts' to name, after this copy)
+    # (clamped: check_drafts has named a broken verdict; without it the commit refuses one)
     last = verdict.accepted.gather(1, verdict.accept_len.clamp(0, verdict.accepted.shape[1] - 1)[:, None])  # [B, 1]
     parents, valid = tree.parents.to(last.device), tree.valid.to(last.device)
     return verdict.accept_len + ((parents == last) & valid).any(1)                      # [B]

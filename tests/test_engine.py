@@ -496,22 +496,28 @@ class BrokenVerifier:
             return Verdict(accepted, torch.ones_like(v.accept_len), v.bonus_tokens)
         if self.bug == "no root":
             return Verdict(v.accepted.roll(-1, 1), v.accept_len, v.bonus_tokens)
+        if self.bug == "float indices":
+            return Verdict(v.accepted.float(), v.accept_len.float(), v.bonus_tokens)
         return Verdict(v.accepted, v.accept_len, v.bonus_tokens + target_logits.shape[-1])  # bonus outside V
 
 
-@pytest.mark.parametrize("bug, message", [
-    ("accept_len past the path", r"returned accept_len (\d+) for request row 0, whose accepted path holds \1 entries"),
+@pytest.mark.parametrize("bug, message, check", [
+    ("accept_len past the path", r"returned accept_len (\d+) for request row 0, whose accepted path holds \1 entries",
+     True),
     ("not a path", r"returned an accepted path \[0, 2\] \(accept_len 1\) for request row 0: node 2 is not a valid "
-                   r"child of node 0"),
-    ("no root", r"returned an accepted path .* for request row 0: it must start at the root"),
-    ("bonus outside V", r"returned bonus token \d+ for request row 0, outside \[0, 320\)"),
+                   r"child of node 0", True),
+    ("no root", r"returned an accepted path .* for request row 0: it must start at the root", True),
+    ("bonus outside V", r"returned bonus token \d+ for request row 0, outside \[0, 320\)", True),
+    # (dtypes are known on the host: refused with check_drafts off too)
+    ("float indices", r"returned a verdict of dtypes accepted torch.float32, accept_len torch.float32, "
+                      r"bonus_tokens torch.int64; .*torch.long", False),
 ])
-def test_check_drafts_names_the_verifier_that_broke_a_verdict(tiny_target, bug, message):
+def test_check_drafts_names_the_verifier_that_broke_a_verdict(tiny_target, bug, message, check):
     """A verdict that is no path of the tree failed deep in the KV commit ("keep must be
     increasing", a numpy broadcast error) or, with a bonus outside the vocabulary, was blamed on
     the drafter a step later (the bonus is the next root)."""
     engine = SpecEngine(tiny_target, {"type": "ngram"}, {"type": "chain", "depth": 2}, BrokenVerifier(bug),
-                        device="cpu", dtype="float32", check_drafts=True)
+                        device="cpu", dtype="float32", check_drafts=check)
     with pytest.raises(ValueError, match="the BrokenVerifier verifier " + message):
         engine.generate([PROMPTS[0] * 3], GREEDY)
 
