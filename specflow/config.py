@@ -34,7 +34,7 @@ def _check_keys(cls: type, node: DictConfig, where: str) -> None:
     names, defaults = [f.name for f in dataclasses.fields(cls)], _factory_defaults(cls)
     for key in node.keys():
         if key not in names:
-            raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(names)}")
+            raise ConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(names) or '(none)'}")
         if key not in defaults:
             continue
         default, value = defaults[key], node[key]

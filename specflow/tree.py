@@ -199,6 +199,10 @@ class DraftTree:
             assert (self.parents[:, 1:] >= 0).all(), "only the root has no parent"
             parent_depth = self.depth.gather(1, self.parents[:, 1:].clamp(min=0))
             assert (self.depth[:, 1:] == parent_depth + 1).all(), "depth = parent depth + 1"
+            parent_valid = self.valid.gather(1, self.parents[:, 1:].clamp(min=0))
+            assert (parent_valid | ~self.valid[:, 1:]).all(), "a valid node's parent must be valid"
+        assert self.draft_probs is not None or not (self.sampled & self.valid).any(), \
+            "sampled nodes need draft_probs (q at their parent, which the rejection rule reads)"
         assert (self.positions == self.positions[:, :1] + self.depth).all(), "positions = root position + depth"
         if self.max_depth is not None:
             assert int(self.depth.max()) <= self.max_depth, "max_depth bounds every node's depth"

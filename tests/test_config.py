@@ -28,6 +28,8 @@ def test_unknown_type_lists_known_ones():
 def test_wrong_parameter_names_valid_keys():
     with pytest.raises(ConfigError, match=r"unknown key 'dept'; valid keys: .*depth"):
         build_component(TREE_BUILDERS, {"type": "chain", "dept": 3}, "tree")
+    with pytest.raises(ConfigError, match=r"unknown key 'tau'; valid keys: \(none\)$"):  # (greedy has none)
+        build_component(VERIFIERS, {"type": "greedy", "tau": 3}, "verifier")
 
 
 def test_wrong_value_type_names_key():

@@ -3,6 +3,7 @@ the whole engine on a 6-token vocabulary)."""
 
 import collections
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -59,9 +60,19 @@ def test_sampled_output_matches_target_distribution(small_vocab, case):
 
 def test_check_lossless_makes_its_own_small_target():
     """The README's check of a new component: a model-free drafter needs nothing but its nodes."""
-    p = check_lossless({"type": "ngram", "max_window": 1}, SAMPLED_STATIC, {"type": "rejection"}, samples=1000,
-                       prompt=REPEATING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the repeating prompt gives the n-gram drafter drafts to test)
+        p = check_lossless({"type": "ngram", "max_window": 1}, SAMPLED_STATIC, {"type": "rejection"}, samples=1000,
+                           prompt=REPEATING)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_check_lossless_warns_when_it_tested_few_drafts():
+    """A drafter that finds (almost) nothing to draft (here: 3-token matches in 7 tokens without
+    repeats) leaves a p-value over plain decoding's own draws, which says nothing of its verifier."""
+    with pytest.warns(UserWarning, match=r"the verifier tested \d drafts in 200 requests"):
+        check_lossless({"type": "ngram", "min_window": 3, "max_window": 3}, {"type": "chain", "depth": 2},
+                       {"type": "rejection"}, samples=200)
 
 
 PENALIZED = dict(PARAMS, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, logit_bias={2: 1.0})

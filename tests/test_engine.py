@@ -440,10 +440,12 @@ def _shifted(field: str, by: int):
     class ShiftedRootChain(ChainBuilder):
         def build(self, drafter, roots):
             tree = super().build(drafter, roots)
-            if field == "valid":
+            if field in ("valid", "valid parent"):  # the root invalid; node 1 invalid under valid node 2
                 valid = tree.valid.clone()
-                valid[:, 0] = False
+                valid[:, 0 if field == "valid" else 1] = False
                 return dataclasses.replace(tree, valid=valid)
+            if field == "sampled":
+                return dataclasses.replace(tree, sampled=tree.valid.clone())
             if field == "mask":
                 mask = tree.mask.clone()
                 mask[:, 1, 2] = True   # node 1 sees its child
@@ -463,6 +465,8 @@ def _shifted(field: str, by: int):
     ("positions", -2, r"built a tree whose root positions are"),
     ("tokens", 1, r"built a tree whose root tokens are \[\d+, \d+\]; the requests' roots"),
     ("valid", 0, r"built an invalid draft tree: the root must be valid"),
+    ("valid parent", 0, r"built an invalid draft tree: a valid node's parent must be valid"),
+    ("sampled", 0, r"built an invalid draft tree: sampled nodes need draft_probs"),
     ("mask", 0, r"built an invalid draft tree: mask must be the ancestor-or-self mask of parents"),
 ])
 def test_check_drafts_refuses_a_tree_whose_root_is_not_the_requests(tiny_target, field, by, message):

@@ -36,7 +36,8 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
                       for file, digest in results.get("plugins", {}).items())
     lines = [f"# {results['name']}", "",
              f"target `{results['target']}` on {results['device']} ({results['dtype']}), "
-             f"batch size {results['batch_size']}, {results['num_prompts']} prompts, "
+             f"batch size {results['batch_size']}, {results['num_prompts']} prompts"
+             f"{' of up to ' + str(results['turns']) + ' turns (a row each)' if results.get('turns', 1) > 1 else ''}, "
              f"{'best of ' + str(results['repeats']) + ' runs, ' if results['repeats'] > 1 else ''}temperature "
              f"{results['sampling']['temperature']}, max_tokens {results['sampling']['max_tokens']}; torch "
              f"{results['torch_version']}, specflow {commit}{plugins}. Speedup is against the autoregressive baseline "

@@ -53,9 +53,10 @@ def test_turns_the_context_cut_are_listed_by_pipeline(tmp_path):
             "turns_shortened": ["a/2"], "turns_left_out": []}
     cut = base | {"turns_shortened": [], "turns_left_out": ["a/2", "b/2"]}
     results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 2,
-               "repeats": 1, "sampling": {"temperature": 0.7, "max_tokens": 8}, "torch_version": "2.5",
+               "turns": 2, "repeats": 1, "sampling": {"temperature": 0.7, "max_tokens": 8}, "torch_version": "2.5",
                "git_commit": None, "pipelines": {"baseline": base, "p": cut, "q": base | {"turns_shortened": []}}}
     write_report(results, {n: [{"accept_lengths": [1] * 8}] for n in ("baseline", "p", "q")}, tmp_path)
     md = (tmp_path / "results.md").read_text()
+    assert "batch size 1, 2 prompts of up to 2 turns (a row each), temperature" in md
     assert "## Cut by the model's context" in md and "`q`" not in md.split("## Cut")[1]
     assert "- `baseline`: 1 shortened, 0 left out (none)" in md and "- `p`: 0 shortened, 2 left out (a/2, b/2)" in md
