@@ -24,8 +24,8 @@ from specflow.registry import plugin_sources
 from specflow.runtime.cuda_graph import capture_sizes
 
 
-ROW_KEYS = ("id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths", "tried_depths",
-            "seconds", "batch")  # rows.jsonl
+ROW_KEYS = ("id", "category", "turn", "prompt_tokens", "tokens", "max_tokens", "steps", "accept_lengths",
+            "tried_depths", "seconds", "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 
@@ -103,6 +103,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                     p = prompts[i]
                     rows.append({"id": turn_id(p, turn), "category": p.category,
                                  "turn": turn + 1, "batch": batch, "seconds": seconds,
+                                 "prompt_tokens": len(out.prompt_token_ids),
                                  "tokens": len(out.token_ids), "steps": len(out.accept_lengths),
                                  "step_tokens": sum(out.accept_lengths), "accept_lengths": out.accept_lengths,
                                  "tried_depths": out.tried_depths, "max_tokens": param.max_tokens,

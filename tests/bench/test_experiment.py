@@ -82,8 +82,8 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     rows = read_jsonl(out / "rows.jsonl")
     assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
                                                           for b in (0, 1)]
-    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "tokens", "max_tokens", "steps", "accept_lengths",
-                            "tried_depths", "seconds", "batch"}
+    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "prompt_tokens", "tokens", "max_tokens", "steps",
+                            "accept_lengths", "tried_depths", "seconds", "batch"}
     steps = read_jsonl(out / "steps.jsonl")
     for r in rows:
         mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
@@ -214,9 +214,9 @@ def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch
 
     def timed_rows(engine, prompts, cfg, name):
         t = next(times)
-        return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "tokens": 4,
-                 "max_tokens": 8, "steps": 3, "step_tokens": 3, "accept_lengths": [1] * 3, "tried_depths": [0] * 3,
-                 "token_ids": [0] * 4, "step_records": []}
+        return [{"id": p.id, "category": p.category, "turn": 1, "batch": i, "seconds": t[i], "prompt_tokens": 4,
+                 "tokens": 4, "max_tokens": 8, "steps": 3, "step_tokens": 3, "accept_lengths": [1] * 3,
+                 "tried_depths": [0] * 3, "token_ids": [0] * 4, "step_records": []}
                 for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(experiment, "run_pipeline", timed_rows)
