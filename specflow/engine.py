@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
-from specflow.config import ConfigError, load_yaml, validate
+from specflow.config import ConfigError
 from specflow.features import FeatureFeed
 from specflow.models import LlamaForCausalLM, load_model, load_tokenizer
 from specflow.overlap import OverlapDecoding
 from specflow.penalties import History, Penalties, PenaltyState
-from specflow.pipeline import EngineConfig, Pipeline, check_runtime, resolve_device
+from specflow.pipeline import EngineConfig, Pipeline, check_runtime, engine_config_from_yaml, resolve_device
 from specflow.prefill import Prefill
 from specflow.request import Request, RequestOutput
 from specflow.runtime.model_runner import ModelRunner, RuntimeOptions
@@ -120,26 +119,7 @@ class SpecEngine:
         """Build from an engine YAML: a bare one, a serve file's ``engine:`` section, or an
         experiment's with one of its ``pipelines`` (``pipeline``: its name; "baseline": plain
         decoding), whose drafter, tree and verifier replace the engine's."""
-        cfg = load_yaml(path, overrides)
-        names = [str(p.get("name")) for p in cfg.get("pipelines") or []]
-        if pipeline is not None and not names:
-            raise ConfigError(f"pipeline: '{pipeline}', but {path} has no pipelines (it is no experiment)")
-        if "engine" not in cfg:
-            return cls.from_config(validate(EngineConfig, cfg, "engine"))
-        # an experiment or serve file: overrides must reach what is built from it
-        stray = [o for o in overrides or [] if not o.startswith(("engine.", "pipelines."))]
-        if stray:
-            raise ConfigError(f"override '{stray[0]}' does not reach the engine; write engine.{stray[0]}")
-        node = OmegaConf.to_container(cfg.engine, resolve=True)
-        if names and pipeline is None:
-            raise ConfigError(f"{path} is an experiment: pass pipeline= one of {', '.join(names)}, baseline "
-                              f"(its drafter, tree and verifier join the engine section)")
-        if pipeline not in (None, "baseline"):
-            if pipeline not in names:
-                raise ConfigError(f"pipeline: '{pipeline}' is not one of {', '.join(names) or '(none)'}, baseline")
-            chosen = OmegaConf.to_container(cfg.pipelines[names.index(pipeline)], resolve=True)
-            node |= {key: chosen.get(key) for key in ("drafter", "tree", "verifier")}
-        return cls.from_config(validate(EngineConfig, node, "engine"))
+        return cls.from_config(engine_config_from_yaml(path, overrides, pipeline))
 
     # ----------------------------------------------------------------------------------------
     # public API

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from specflow.config import ConfigError, build_component, component_config
+from specflow.config import ConfigError, build_component, component_config, load_yaml, validate
 from specflow.protocols import Drafter, TreeBuilder, Verifier
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
 from specflow.runtime.attention import BACKENDS
@@ -44,6 +44,33 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     record_steps: bool = False
     check_drafts: bool = False     # check every drafted tree (structure, token ids, q) and verdict: for new components
+
+
+def engine_config_from_yaml(path: str | Path, overrides: list[str] | None = None,
+                            pipeline: str | None = None) -> EngineConfig:
+    """The EngineConfig of a YAML (``SpecEngine.from_yaml``): a bare engine file, a serve file's
+    ``engine:`` section, or an experiment's with its pipeline named ``pipeline`` ("baseline":
+    plain decoding), whose drafter, tree and verifier replace the engine's."""
+    cfg = load_yaml(path, overrides)
+    names = [str(p.get("name")) for p in cfg.get("pipelines") or []]
+    if pipeline is not None and not names:
+        raise ConfigError(f"pipeline: '{pipeline}', but {path} has no pipelines (it is no experiment)")
+    if "engine" not in cfg:
+        return validate(EngineConfig, cfg, "engine")
+    # an experiment or serve file: overrides must reach what is built from it
+    stray = [o for o in overrides or [] if not o.startswith(("engine.", "pipelines."))]
+    if stray:
+        raise ConfigError(f"override '{stray[0]}' does not reach the engine; write engine.{stray[0]}")
+    if names and pipeline is None:
+        raise ConfigError(f"{path} is an experiment: pass pipeline= one of {', '.join(names)}, baseline "
+                          f"(its drafter, tree and verifier join the engine section)")
+    node = OmegaConf.to_container(cfg.engine, resolve=True)
+    if pipeline not in (None, "baseline"):
+        if pipeline not in names:
+            raise ConfigError(f"pipeline: '{pipeline}' is not one of {', '.join(names)}, baseline")
+        chosen = OmegaConf.to_container(cfg.pipelines[names.index(pipeline)], resolve=True)
+        node |= {key: chosen.get(key) for key in ("drafter", "tree", "verifier")}
+    return validate(EngineConfig, node, "engine")
 
 
 def resolve_device(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
