@@ -26,9 +26,11 @@ from specflow.sampling import SamplingBatch, SamplingParams
 from specflow.scheduler import Scheduler
 from specflow.spec_step import SpeculativeDecoding
 
+# request ids are unique across engines: one drafter object (a global n-gram trie) may serve several
+# engines, and drafters key their per-request state by request id
+_REQUEST_IDS = itertools.count()
 # the salts of requests whose drafter learns across requests (SamplingBatch.coin_walk): one sequence
-# per drafter object, not per engine, as one drafter (a global n-gram trie) may serve several engines,
-# whose request ids all start at 0, and two requests of one seed and one salt would share coins
+# per drafter object, as two requests of one seed and one salt would share coins
 _SALTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -91,7 +93,6 @@ class SpecEngine:
         self.record_steps = record_steps
         self.check_drafts = check_drafts
         self.eos_token_ids = list(self.model.config.eos_token_ids)
-        self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but not its own
         self._drafting: set[int] = set()  # requests the drafter has begun and not yet released
@@ -138,7 +139,7 @@ class SpecEngine:
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
-        rid = next(self._ids)
+        rid = next(_REQUEST_IDS)
         salt = next(_SALTS.setdefault(self.drafter, itertools.count(1))) if self._salted else 0
         req = Request(rid, ids, params, self.eos_token_ids, self.tokenizer, salt=salt)
         if not self.scheduler.fits_alone(req):

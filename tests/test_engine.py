@@ -152,6 +152,27 @@ def test_an_experiment_yaml_builds_the_pipeline_it_names():
         SpecEngine.from_yaml(ROOT / "configs" / "serve.yaml", pipeline="baseline")
 
 
+@pytest.mark.parametrize("drafter", [{"type": "ngram", "scope": "global"}, {"type": "ngram"}, "draft_model"])
+def test_one_drafter_serves_two_engines(tiny_target, drafter):
+    """Drafters key their per-request state by request id: ids are unique across engines, so two
+    engines sharing one drafter (a global n-gram trie learning from both) keep apart requests
+    that each engine would number first."""
+    drafter = {"type": "draft_model", "path": str(tiny_target)} if drafter == "draft_model" else drafter
+    a = SpecEngine(tiny_target, drafter, {"type": "chain", "depth": 3}, {"type": "greedy"}, device="cpu",
+                   dtype="float32")
+    b = SpecEngine(a.model, a.drafter, {"type": "chain", "depth": 3}, {"type": "greedy"}, tokenizer=a.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    rids = [a.add_request(PROMPTS[0], params), b.add_request(PROMPTS[1], params)]
+    assert rids[0] != rids[1]
+    outs = {}
+    while a.has_unfinished() or b.has_unfinished():
+        for e in (a, b):
+            if e.has_unfinished():
+                outs |= {o.request_id: o.token_ids for o in e.step()}
+    plain = SpecEngine(a.model, tokenizer=a.tokenizer).generate(PROMPTS[:2], params)
+    assert [outs[rid] for rid in rids] == [o.token_ids for o in plain]
+
+
 def test_abort_frees_pages(engine):
     rid = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()
