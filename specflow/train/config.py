@@ -66,7 +66,8 @@ class TrainerConfig:
     num_nodes: int = 1
     precision: str = "32-true"
     max_steps: int = 1000
-    max_time: str | None = None            # "DD:HH:MM:SS"; stops early, whatever max_steps says
+    max_time: str | None = None            # "DD:HH:MM:SS" of each part of a run (a resumed one: afresh);
+                                           # stops when a step ends, whatever max_steps says
     val_check_interval: int | None = None  # steps between validations (None: end of each epoch)
     limit_val_batches: int | None = None
     log_every_n_steps: int = 10

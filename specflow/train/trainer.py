@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -52,9 +52,11 @@ def train(run: TrainConfig) -> TrainResult:
     callbacks = [order] + ([ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=t.checkpoint_every_n_steps,
                                             save_top_k=0, save_last=True)] if checkpointing else [])
     try:  # before the recipe's setup (minutes: the target, the corpus), so a bad setting costs nothing
+        if t.max_time is not None:
+            callbacks.append(StepTimer(t.max_time))
         trainer = L.Trainer(
             accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
-            precision=t.precision, max_steps=t.max_steps, max_time=t.max_time,
+            precision=t.precision, max_steps=t.max_steps,
             val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
             limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
             gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm,
@@ -124,6 +126,32 @@ class EpochShuffle(RandomSampler):
             order = torch.randperm(len(self.data_source), generator=g)
         # (read the position now: a loader with workers makes its iterator before Lightning's epoch hooks)
         return iter(order[self.start:].tolist())
+
+
+class StepTimer(Timer):
+    """``trainer.max_time``: Lightning's Timer, but looked at only when an optimiser step ends (a
+    stop between the micro-batches of an accumulated step would save a run whose next batches the
+    resumed one skips), and for each part of a resumed run afresh (Lightning's keeps the time
+    elapsed in the checkpoint, so a run it stopped resumed with the same max_time at once)."""
+
+    def __init__(self, duration: str):
+        super().__init__(duration=duration, interval="step")
+        self._step = -1   # the global step at the last look
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+    def on_train_start(self, trainer, module) -> None:
+        super().on_train_start(trainer, module)
+        self._step = trainer.global_step
+
+    def on_fit_start(self, trainer, *args, **kwargs) -> None:
+        pass   # (Lightning's looks at a restored time elapsed here; each part starts afresh)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
 
 
 class DataOrder(L.Callback):

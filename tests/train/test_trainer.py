@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from specflow.config import ConfigError
 from specflow.train import train
+from specflow.train.trainer import StepTimer
 from tests.train.runs import tiny_config
 
 SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
@@ -59,6 +60,10 @@ STOPS = {  # trainer settings, the step it stops at, how; 24 sequences of batch 
                                          3, "crash"),
     "max_steps mid-epoch, then more": ({"checkpoint_every_n_steps": 100, "limit_val_batches": 0}, 4, "max_steps"),
     "max_time mid-epoch (validates)": ({"checkpoint_every_n_steps": 100, "limit_val_batches": 1}, 4, "max_time"),
+    # trainer.max_time itself, out at once, while 2 batches accumulate into each step: it stops when
+    # the first step ends, not after the first batch, whose gradient no step would have applied
+    "max_time accumulating": ({"checkpoint_every_n_steps": 100, "limit_val_batches": 1,
+                               "accumulate_grad_batches": 2}, 1, "trainer.max_time"),
 }
 
 
@@ -97,7 +102,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_
         with pytest.raises(RuntimeError, match="interrupted"):
             train(config("split"))
     else:
-        assert train(config("split", **({"max_steps": at} if how == "max_steps" else {}))).summary["steps"] == at
+        stop = {"max_steps": {"max_steps": at}, "trainer.max_time": {"max_time": "00:00:00:00"}}.get(how, {})
+        assert train(config("split", **stop)).summary["steps"] == at
     monkeypatch.setattr(L.Trainer, "__init__", init)
     assert torch.load(tmp_path / "split" / "log" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == at
     assert train(config("split", resume="last")).summary["steps"] == 8
@@ -107,3 +113,16 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_
     assert whole.keys() == split.keys()
     for k in whole:
         assert torch.equal(whole[k], split[k]), (k, (whole[k] - split[k]).abs().max())
+
+
+def test_max_time_bounds_each_part_of_a_resumed_run(tmp_path, tiny_target):
+    """Lightning's Timer keeps the time elapsed in the checkpoint: a run max_time stopped, resumed
+    with the same max_time, stopped again before a step. Each part now gets max_time afresh."""
+    cfg = tiny_config(tmp_path, {"type": "eagle"}, target=tiny_target, steps=8, data={"max_tokens": 1600},
+                      trainer_extra={"checkpoint_every_n_steps": 100, "limit_val_batches": 0,
+                                     "max_time": "00:00:00:00"})   # out of time when each step ends
+    assert train(cfg).summary["steps"] == 1
+    assert train(resumed(cfg, resume="last")).summary["steps"] == 2
+    timer = StepTimer("00:01:00:00")
+    timer.load_state_dict({"time_elapsed": {"train": 3600.0}})   # (a checkpoint's hour gone)
+    assert timer.time_elapsed() == 0.0
