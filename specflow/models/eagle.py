@@ -138,7 +138,9 @@ def load_eagle(path: str | Path, target_model: LlamaForCausalLM, device: str | t
 
 def save_eagle(head: EagleHead, path: str | Path, format: Format = "safetensors") -> Path:
     """Write the head as SafeAILab/EAGLE publishes it: config.json + model.safetensors or
-    pytorch_model.bin (architecture named after SGLang's loader for this layout)."""
+    pytorch_model.bin. The architecture is SGLang's name for this layout (LlamaForCausalLMEagle,
+    as in lmsys's sglang-EAGLE checkpoints); vLLM reads the same files with LlamaForCausalLM
+    there, as SafeAILab's own heads say (it prefixes "Eagle" to whatever name it finds)."""
     hf = {**head.config.to_hf(), "architectures": ["LlamaForCausalLMEagle"], "bias": head.bias}
     if head.qkv_bias:
         hf["qkv_bias"] = True

@@ -167,9 +167,8 @@ def save_eagle3(head: Eagle3Head, path: str | Path, format: Format = "safetensor
           "draft_vocab_size": head.draft_vocab_size, "torch_dtype": dtype}
     if head.bias:
         hf["bias"] = True
-    if min(head.taps) >= 1:  # SGLang's convention: ids of the layers whose outputs are tapped
+    hf["eagle_aux_hidden_state_layer_ids"] = list(head.taps)  # vLLM's key: ids of the layers whose inputs are tapped
+    if min(head.taps) >= 1:  # SGLang's: ids of the layers whose outputs are (none for the embedding output)
         hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in head.taps],
                               "use_aux_hidden_state": True}
-    else:                    # the embedding output is tapped: only vLLM's convention can say so
-        hf["eagle_aux_hidden_state_layer_ids"] = list(head.taps)
     return write_head(path, hf, checkpoint_state(head), format=format)

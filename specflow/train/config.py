@@ -82,8 +82,8 @@ class TrainerConfig:
     resume: str | None = None
 
     def __post_init__(self):
-        if self.checkpoint_every_n_steps is not None:
-            check_at_least(self, 1, "checkpoint_every_n_steps")
+        check_at_least(self, 1, "accumulate_grad_batches", "log_every_n_steps", "val_check_interval",
+                       "checkpoint_every_n_steps")
         if self.max_steps != -1:   # (0 would export the untrained weights as a trained head)
             check_at_least(self, 1, "max_steps")
         if self.gradient_clip_algorithm not in ("norm", "value"):

@@ -159,6 +159,9 @@ def generate_continuations(target_path: str | Path, tokens: Tensor, cfg: DataCon
                            device: str = "auto") -> Tensor:
     """Continuations the target writes from random corpus windows, as one flat stream with EOS
     between them: ``cfg.generated_tokens`` tokens of (prompt + response) text."""
+    if len(tokens) <= cfg.generate_prompt_len:
+        raise ConfigError(f"train.data.generate_prompt_len: {cfg.generate_prompt_len}, but the corpus holds "
+                          f"{len(tokens)} tokens: prompts are windows of it; lower it or give more data")
     engine = SpecEngine(target_path, drafter=None, device=device, dtype="float32",
                         kv_cache_tokens=cfg.generate_batch_size * (cfg.generate_prompt_len + cfg.generate_len + 8),
                         max_batch_size=cfg.generate_batch_size)

@@ -6,7 +6,8 @@ Step 0 reads the target's concatenated layer taps of ``x_j`` (through ``fc``) wi
 ``x_{j+1+k}`` at position j + k and attends as the depth-k draft node does (UnrolledAttention).
 Step k at row j predicts ``x_{j+2+k}``; its loss is the soft cross-entropy against the target's
 distribution restricted to the draft vocabulary (renormalised), on rows whose target argmax is
-in the draft vocabulary, weighted by ``decay ** k``. ``acc_k`` is the fraction of all rows whose
+in the draft vocabulary, averaged over those rows (traineagle3 divides by every row: its loss is
+this one times their share, the draft vocabulary's coverage), weighted by ``decay ** k``. ``acc_k`` is the fraction of all rows whose
 drafted token is the target's argmax (rows outside the draft vocabulary count as misses). The
 draft vocabulary is the ``draft_vocab_size`` most frequent tokens of the training data (``d2t`` /
 ``t2d``).
@@ -69,6 +70,9 @@ def new_eagle3_head(target: LlamaForCausalLM, hot: Tensor, taps: tuple[int, ...]
 def recipe_taps(taps: list[int] | None, num_layers: int) -> tuple[int, ...]:
     """``recipe.taps`` (None: the default) for a target of ``num_layers``, or a ConfigError."""
     chosen = tuple(taps) if taps is not None else default_taps(num_layers)
+    if taps is not None and (not chosen or len(set(chosen)) != len(chosen)):
+        raise ConfigError(f"train.recipe.taps: {list(taps)}: give one or more distinct layer inputs "
+                          f"(0..{num_layers - 1}), or null for the default [2, L // 2, L - 3]")
     if any(not 0 <= t < num_layers for t in chosen):
         given = f"{list(taps)}" if taps is not None else f"null (the default [2, L // 2, L - 3] = {list(chosen)})"
         raise ConfigError(f"train.recipe.taps: {given}: a {num_layers}-layer target has layer inputs "

@@ -1,7 +1,8 @@
 """Medusa head training (Cai et al., 2024; FasterDecoding/Medusa ``train_legacy.py``), base frozen.
 
 Every head reads the frozen target's final hidden state ``h_t``; head i learns token ``x_{t+2+i}``
-with cross-entropy, weighted by ``decay ** i``. As Medusa does, each ResBlock starts at zero (an
+with cross-entropy, weighted by ``decay ** i`` (0.8: the farther heads, harder to fit, weigh
+less; ``train_legacy.py`` sums them unweighted, which is ``decay: 1.0``). As Medusa does, each ResBlock starts at zero (an
 identity) and each head's vocabulary projection starts as a copy of the target's lm_head.
 """
 
@@ -19,7 +20,8 @@ from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.loader import resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import count_params, head_data, target_pass
+from specflow.train.heads import count_params, head_data
+from specflow.train.lm import causal_forward
 from specflow.train.module import TrainModule, frozen
 
 
@@ -65,7 +67,8 @@ class MedusaModule(TrainModule):
 
     def losses(self, batch: Tensor) -> dict[str, Tensor]:
         s = batch.shape[1] - 1
-        hidden, _, _ = target_pass(self.target, batch[:, :-1])             # [B, S, H]: h_t
+        with torch.no_grad():   # (no target probabilities: a [B, S, V] float32 tensor no loss reads)
+            hidden, _ = causal_forward(self.target, batch[:, :-1])          # [B, S, H]: h_t
         logits = self.heads(hidden)                                         # [nh, B, S, V]
         out: dict[str, Tensor] = {}
         total = hidden.new_zeros(())

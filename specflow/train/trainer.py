@@ -67,6 +67,8 @@ def train(run: TrainConfig) -> TrainResult:
     except (MisconfigurationException, ValueError, TypeError) as e:
         raise ConfigError(f"train.trainer: {e}") from None
     job = recipe.setup(run)
+    if resume is not None:
+        check_resumable(resume, job.module)
     order.sampler = EpochShuffle(job.train_data, run.seed)
     order.batch_size = run.optim.batch_size
     # (a generator of its own: the loader's draw of its workers' seed would otherwise move the
@@ -107,6 +109,22 @@ def train(run: TrainConfig) -> TrainResult:
         if metrics.exists():   # absent when nothing was logged (very short runs)
             plot_losses(metrics, log_dir / "loss.png", run.name)
     return TrainResult(summary, job.module, trainer.is_global_zero)
+
+
+def check_resumable(ckpt: str | Path, module: L.LightningModule) -> None:
+    """Refuse, before training, a checkpoint whose weights are not ``module``'s (another recipe's,
+    or another shape's), naming a tensor and both shapes; Lightning fails deep in ``fit``."""
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    own = module.state_dict()
+    missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+    if missing or unexpected:
+        raise ConfigError(f"train.trainer.resume: {ckpt} holds another model's weights (another recipe's?): "
+                          f"{len(missing)} of this run's tensors missing (first: {missing[:3]}), "
+                          f"{len(unexpected)} unknown (first: {unexpected[:3]})")
+    for name, value in own.items():
+        if saved[name].shape != value.shape:
+            raise ConfigError(f"train.trainer.resume: {ckpt}: tensor {name} has shape {tuple(saved[name].shape)}, "
+                              f"this run's {tuple(value.shape)}")
 
 
 class EpochShuffle(RandomSampler):

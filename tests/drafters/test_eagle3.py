@@ -1,6 +1,7 @@
 """EAGLE-3 drafter: reads the target's layer taps, drafts in its own vocabulary mapped through
 d2t, expands trees exactly like the head run contiguously, and generates losslessly."""
 
+import json
 import pytest
 import torch
 
@@ -111,3 +112,9 @@ def test_saved_and_reloaded_head_drafts_the_same_trees(tmp_path, target, head_di
                                       [c[-1] for c in CONTEXTS], feature_table(3 * 64)))
         trees.append(Eagle2Builder(topk=3, depth=3, num_draft_tokens=10).build(drafter, roots_for(CONTEXTS)))
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].scores, trees[1].scores)
+    # the taps in both conventions: vLLM reads the top-level ids (layer inputs), SGLang eagle_config's
+    # (layer outputs: one less)
+    hf = json.loads((tmp_path / "again" / "config.json").read_text())
+    taps = list(load_eagle3(head_dir, target).taps)
+    assert hf["eagle_aux_hidden_state_layer_ids"] == taps
+    assert [i + 1 for i in hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == taps

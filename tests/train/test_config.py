@@ -56,6 +56,10 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle3", "recipe.unroll=256", r"train.recipe.unroll: .*below data.seq_len \(256\)"),
     ("medusa", "data.seq_len=4", r"train.recipe.num_heads: .*below data.seq_len"),   # (a NaN loss)
     ("eagle3", "recipe.taps=[1,2,7]", r"train.recipe.taps: \[1, 2, 7\]: a 4-layer target has layer inputs 0..3"),
+    ("eagle3", "recipe.taps=[]", r"train.recipe.taps: \[\]: give one or more distinct layer inputs \(0..3\)"),
+    ("eagle3", "recipe.taps=[1,1]", r"train.recipe.taps: \[1, 1\]: give one or more distinct"),
+    ("eagle", "trainer.val_check_interval=0", "train.trainer: val_check_interval must be >= 1, got 0"),
+    ("eagle", "trainer.accumulate_grad_batches=0", "train.trainer: accumulate_grad_batches must be >= 1, got 0"),
     ("eagle", "trainer.max_steps=0", "train.trainer: max_steps must be >= 1, got 0"),
     ("eagle", "data.source=no/such/dir", "train.data: source 'no/such/dir' is not a directory"),
 ])
@@ -111,3 +115,26 @@ def test_gradients_can_be_clipped_by_value_as_eagle_does(tmp_path, tiny_target):
     with pytest.raises(ConfigError, match="gradient_clip_algorithm 'elementwise' is not one of norm, value"):
         validate(TrainConfig, {"output_dir": str(tmp_path), "recipe": {"type": "eagle"},
                                "trainer": {"gradient_clip_algorithm": "elementwise"}}, "train")
+
+
+def test_generation_prompts_longer_than_the_corpus_fail_naming_the_key(tmp_path, tiny_target):
+    cfg = tiny_config(tmp_path, {"type": "eagle3", "taps": [1]}, target=tiny_target, steps=2,
+                      data={"generated_tokens": 100, "generate_prompt_len": 10**7})
+    with pytest.raises(ConfigError, match=r"train.data.generate_prompt_len: 10000000, but the corpus holds \d+ tokens"):
+        train(cfg)
+
+
+def test_resuming_another_recipe_s_checkpoint_fails_before_training(tmp_path, tiny_target):
+    """(Lightning failed inside fit with a state-dict traceback, after the whole setup)"""
+    eagle = tiny_config(tmp_path / "eagle", {"type": "eagle"}, target=tiny_target, steps=2,
+                        trainer_extra={"checkpoint_every_n_steps": 1})
+    train(eagle)
+    ckpt = tmp_path / "eagle" / "log" / "checkpoints" / "last.ckpt"
+    medusa = tiny_config(tmp_path / "medusa", {"type": "medusa", "num_heads": 2}, target=tiny_target, steps=2,
+                         trainer_extra={"resume": str(ckpt)})
+    with pytest.raises(ConfigError, match=r"train.trainer.resume: .*last.ckpt holds another model's weights"):
+        train(medusa)
+    wider = tiny_config(tmp_path / "wider", {"type": "eagle", "num_layers": 2}, target=tiny_target, steps=2,
+                        trainer_extra={"resume": str(ckpt)})
+    with pytest.raises(ConfigError, match=r"holds another model's weights|tensor .* has shape"):
+        train(wider)
