@@ -148,7 +148,10 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
             old = OmegaConf.select(cfg, key)
             merge = not (isinstance(value, (dict, DictConfig)) and "type" in value and _switches_type(old, value["type"]))
             OmegaConf.update(cfg, key, value, merge=merge)
-        except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
+        except yaml.YAMLError as e:  # (a glob's * reads as a YAML alias, a leading % as a directive)
+            raise ConfigError(f"override '{override}': the value is not valid YAML ({str(e).splitlines()[0]}); "
+                              f"quote it: '{key}=\"{override.partition('=')[2]}\"'") from None
+        except (OmegaConfBaseException, ValueError, TypeError) as e:
             raise ConfigError(f"override '{override}': {str(e).splitlines()[0]}") from None
     return cfg
 

@@ -161,6 +161,8 @@ def test_bad_values_fail_before_the_target_loads(tmp_path, nodes, message):
     ("pipelines.0.tree.depth=x", r"pipelines\[.*\].tree .*'x'"),
     ("pipelines.9.tree.depth=3", "override 'pipelines.9.tree.depth=3': pipelines has 3 item\\(s\\) \\(indices 0 to 2, or -3 to -1\\)"),
     ("pipelines.x.tree=3", "override 'pipelines.x.tree=3'"), ("sampling=[1", "override 'sampling=\\[1'"),
+    ("name=*.rs", "override 'name=\\*.rs': the value is not valid YAML \\(while scanning an alias\\); "
+                  "quote it: 'name=\"\\*.rs\"'"),
     ("pipelines={a: {name: a}}", "override 'pipelines={a: {name: a}}': Cannot merge incompatible container"),
     ("pipelines=[3]", r"pipelines\[0\]: expected a mapping, got '3'")])
 def test_bad_experiment_settings_fail_before_the_target_loads(override, message):
