@@ -10,8 +10,11 @@ machine's) and flashinfer importable; writes ``OUT/<name>/<name>.so``, which
     python bench/gpu/aot_flashinfer.py .wheels/flashinfer-aot
 
 The modules: fa2 paged decode and prefill (with custom masks) for bfloat16, head_dim 64 (the
-shipped tiny family) and 128 (Llama-3.1-8B), with and without a sliding window, plus rmsnorm,
-rope, silu_and_mul and packbits (custom-mask packing). Anything else still builds on first use there.
+shipped tiny family) and 128 (Llama-3.1-8B), plus rmsnorm, rope, silu_and_mul and packbits
+(custom-mask packing). No model the GPU session runs has a sliding window, so the window
+variants (half of the attention modules, and of the 64 MiB that travels) are built only with
+``--sliding-window``; ``--head-dims 64`` builds what ``session.sh test`` needs alone. Anything
+else still builds on first use there (or fails at once under FLASHINFER_DISABLE_JIT).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ HEAD_DIMS = (64, 128)
 DTYPE = torch.bfloat16
 
 
-def specs() -> list:
+def specs(head_dims: tuple[int, ...] = HEAD_DIMS, windows: tuple[bool, ...] = (False,)) -> list:
     from flashinfer.jit import gen_act_and_mul_module
     from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module, gen_batch_decode_module
     from flashinfer.jit.norm import gen_norm_module
@@ -38,8 +41,8 @@ def specs() -> list:
     from flashinfer.jit.rope import gen_rope_module
 
     out = [gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu"), gen_quantization_module()]
-    for head_dim in HEAD_DIMS:
-        for window in (False, True):
+    for head_dim in head_dims:
+        for window in windows:
             # the argument lists BatchDecode/BatchPrefillWithPagedKVCacheWrapper.plan pass (fa2, int32
             # indices, no positional encoding in the kernel, no logits cap, no fp16 qk reduction)
             args = (DTYPE, DTYPE, DTYPE, torch.int32, head_dim, head_dim, 0, window, False)
@@ -50,8 +53,10 @@ def specs() -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, help="folder of <name>/<name>.so")
+    p.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), help="attention head dims to build")
+    p.add_argument("--sliding-window", action="store_true", help="also the sliding-window attention variants")
     args = p.parse_args()
-    for spec in specs():
+    for spec in specs(tuple(args.head_dims), (False, True) if args.sliding_window else (False,)):
         target = args.out / spec.name / f"{spec.name}.so"
         if target.exists():
             print(f"have  {spec.name}")

@@ -50,6 +50,7 @@ a later batch that needs a mask, so graphs are best keyed on ``uses_decode_kerne
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Hashable
 
@@ -78,6 +79,9 @@ def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
     except (ImportError, OSError):  # not installed, or its native deps (apache-tvm-ffi) fail to load
+        return False
+    except Exception as e:  # a broken install (a slimmed wheel, a version clash) must not break the caller
+        warnings.warn(f"flashinfer is installed but failed to import ({e!r}); using the torch backend")
         return False
     return True
 
