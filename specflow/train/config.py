@@ -128,6 +128,9 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
         resolve_dtype(getattr(recipe, "save_dtype", "auto"), {})
     except ValueError as e:
         raise ConfigError(f"train.recipe.save_dtype: {e}") from None
+    if getattr(recipe, "save_format", "safetensors") not in ("safetensors", "bin"):
+        raise ConfigError(f"train.recipe.save_format: '{recipe.save_format}' is not one of safetensors, bin "
+                          f"(pytorch_model.bin; Medusa's medusa_lm_head.pt)")
     if cfg.target is not None and not (Path(cfg.target) / "config.json").exists():
         raise ConfigError(f"train.target: {cfg.target} is not a checkpoint directory (no config.json)")
     check_recipe = getattr(recipe_cls, "check", None)

@@ -41,6 +41,7 @@ class EagleRecipeConfig:
     # scales its 0.2 by 512 / sequence length: set 0.4 at seq_len 256 to match it)
     noise: float = 0.2
     save_dtype: str = "float32"
+    save_format: str = "safetensors"       # or "bin": torch files, for loaders that read only those
 
     def __post_init__(self):
         check_at_least(self, 1, "num_layers")
@@ -110,4 +111,4 @@ class EagleRecipe:
         target = load_model(run.target)
         head = new_eagle_head(target, self.cfg.num_layers, self.cfg.bias)
         head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
-        save_eagle(head.to(resolve_dtype(self.cfg.save_dtype, {})), out)
+        save_eagle(head.to(resolve_dtype(self.cfg.save_dtype, {})), out, format=self.cfg.save_format)

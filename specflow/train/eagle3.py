@@ -7,8 +7,9 @@ Step 0 reads the target's concatenated layer taps of ``x_j`` (through ``fc``) wi
 Step k at row j predicts ``x_{j+2+k}``; its loss is the soft cross-entropy against the target's
 distribution restricted to the draft vocabulary (renormalised), on rows whose target argmax is
 in the draft vocabulary, averaged over those rows (traineagle3 divides by every row: its loss is
-this one times their share, the draft vocabulary's coverage), weighted by ``decay ** k``. ``acc_k`` is the fraction of all rows whose
-drafted token is the target's argmax (rows outside the draft vocabulary count as misses). The
+this one times their share, the draft vocabulary's coverage), weighted by ``decay ** k``.
+``acc_k`` is the fraction of all rows whose drafted token is the target's argmax (rows outside
+the draft vocabulary count as misses). The
 draft vocabulary is the ``draft_vocab_size`` most frequent tokens of the training data (``d2t`` /
 ``t2d``).
 """
@@ -42,6 +43,7 @@ class Eagle3RecipeConfig:
     decay: float = 0.8                     # step k's loss weight is decay ** k
     init_lm_head: bool = True              # start the draft lm_head from the target's rows
     save_dtype: str = "float32"
+    save_format: str = "safetensors"       # or "bin": torch files, for loaders that read only those
 
     def __post_init__(self):
         check_at_least(self, 1, "draft_vocab_size", "unroll")
@@ -172,4 +174,4 @@ class Eagle3Recipe:
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:
         head = new_eagle3_head(load_model(run.target), self.hot, self.taps)
         head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
-        save_eagle3(head.to(resolve_dtype(self.cfg.save_dtype, {})), out)
+        save_eagle3(head.to(resolve_dtype(self.cfg.save_dtype, {})), out, format=self.cfg.save_format)

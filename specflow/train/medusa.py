@@ -2,8 +2,9 @@
 
 Every head reads the frozen target's final hidden state ``h_t``; head i learns token ``x_{t+2+i}``
 with cross-entropy, weighted by ``decay ** i`` (0.8: the farther heads, harder to fit, weigh
-less; ``train_legacy.py`` sums them unweighted, which is ``decay: 1.0``). As Medusa does, each ResBlock starts at zero (an
-identity) and each head's vocabulary projection starts as a copy of the target's lm_head.
+less; ``train_legacy.py`` sums them unweighted, which is ``decay: 1.0``). As Medusa does, each
+ResBlock starts at zero (an identity) and each head's vocabulary projection starts as a copy of
+the target's lm_head.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MedusaRecipeConfig:
     num_layers: int = 1
     decay: float = 0.8                     # head i's loss weight is decay ** i
     save_dtype: str = "float32"
+    save_format: str = "safetensors"       # or "bin": torch files, for loaders that read only those
 
     def __post_init__(self):
         check_at_least(self, 1, "num_heads", "num_layers")
@@ -114,4 +116,5 @@ class MedusaRecipe:
             heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, self.cfg.num_heads, self.cfg.num_layers)
         heads.load_state_dict({k.removeprefix("heads."): v for k, v in state.items() if k.startswith("heads.")},
                               assign=True)
-        save_medusa(heads.to(resolve_dtype(self.cfg.save_dtype, {})), out, base_model_name_or_path=run.target)
+        save_medusa(heads.to(resolve_dtype(self.cfg.save_dtype, {})), out, format=self.cfg.save_format,
+                    base_model_name_or_path=run.target)

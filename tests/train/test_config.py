@@ -61,6 +61,7 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle", "trainer.val_check_interval=0", "train.trainer: val_check_interval must be >= 1, got 0"),
     ("eagle", "trainer.accumulate_grad_batches=0", "train.trainer: accumulate_grad_batches must be >= 1, got 0"),
     ("eagle", "trainer.max_steps=0", "train.trainer: max_steps must be >= 1, got 0"),
+    ("medusa", "recipe.save_format=pt", "train.recipe.save_format: 'pt' is not one of safetensors, bin"),
     ("eagle", "data.source=no/such/dir", "train.data: source 'no/such/dir' is not a directory"),
 ])
 def test_bad_values_fail_when_the_config_loads(config, override, named):
