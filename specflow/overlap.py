@@ -114,13 +114,14 @@ class OverlapDecoding:
                 continue
             root = req.seq[-1]
             landed.append((b, req))
-            req.accept_lengths.append(req.append([token]))
+            kept = req.append([token])
+            req.accept_lengths.append(kept)
             req.tried_depths.append(0)  # (no draft)
             if req.logprobs is not None:
                 req.logprobs += to_token_logprobs([token], [x[b:b + 1] for x in logprobs], req.params.logprobs)
             if self.engine.record_steps:  # the one-node tree of DraftTree.root_only
                 tree = {"tokens": [root], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]}
-                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, timings,
+                req.steps.append(StepRecord(req.id, len(req.steps), tree, [0], token, kept, timings,
                                             len(flight.batch)))
         if self.engine.drafter is not None and landed:
             self._commit_drafter(flight.out, landed)

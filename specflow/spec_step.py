@@ -178,7 +178,7 @@ class SpeculativeDecoding:
                 logprobs.append((req, rows[b][:kept], new[:kept]))
             if engine.record_steps:
                 req.steps.append(StepRecord(req.id, len(req.steps), records[b], accepted,
-                                            new[-1], timings, len(batch)))
+                                            new[-1], kept, timings, len(batch)))
             if not req.finished:
                 live.append(b)
         add_token_logprobs(out.logits, logprobs)

@@ -262,13 +262,16 @@ class StepRecord:
     tree: dict            # DraftTree.to_json
     accepted: list[int]   # node indices, root first
     bonus_token: int
+    # tokens the request kept of this step's accepted drafts + bonus: fewer where max_tokens, an
+    # EOS or a stop ended it inside them (its last step)
+    kept: int
     timings: dict[str, float]  # seconds per stage of the step: draft, verify (target forward + verifier)
     batch_size: int = 1        # requests in the step the timings cover
 
     @property
     def accept_length(self) -> int:
-        """Tokens committed by this step (accepted drafts + bonus)."""
-        return len(self.accepted)
+        """Tokens this step committed (its entry of ``RequestOutput.accept_lengths``)."""
+        return self.kept
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

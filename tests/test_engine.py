@@ -383,7 +383,7 @@ def test_tried_depths_are_the_path_s_deepest_tested_draft_and_zero_where_nothing
             last = step.accepted[-1]
             assert depth == len(step.accepted) - 1 + any(ok and parent == last for parent, ok
                                                          in zip(step.tree["parents"], step.tree["valid"]))
-            assert n - 1 <= depth <= n
+            assert n - 1 <= depth <= n and step.kept == n   # (the record keeps what the request kept)
             # (a plain step's record holds the root alone, a speculative step's a tree of 4 nodes)
             steps.append((depth, p.speculative and len(step.tree["depth"]) > 1))
     assert {speculated for _, speculated in steps} == {False, True}  # (both kinds of step ran)

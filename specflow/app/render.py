@@ -156,13 +156,16 @@ def render_step(record: StepRecord, token_text: Callable[[int], str] = str, num_
     """HTML for one step: a caption (nodes, accepted tokens, timings), the tree, and a legend."""
     drafted = sum(record.tree["valid"]) - 1
     accepted = len(record.accepted) - 1
-    committed = "".join(token_text(record.tree["tokens"][i]) for i in record.accepted[1:])
+    kept = record.accepted[1:][: record.kept]   # (max_tokens, an EOS or a stop may end the request inside them)
+    committed = "".join(token_text(record.tree["tokens"][i]) for i in kept)
     tokens = f"<code>{escape(token_label(committed, 40))}</code>" if committed else ""
-    tokens += f"<code class='bonus'>{escape(token_label(token_text(record.bonus_token), 20))}</code>"
+    if record.kept > accepted:
+        tokens += f"<code class='bonus'>{escape(token_label(token_text(record.bonus_token), 20))}</code>"
     of = f" of {num_steps}" if num_steps else ""
     timings = "".join(f" · {k} {v * 1e3:.1f} ms" for k, v in record.timings.items())
+    ended = f" (the request ended there: {accepted + 1 - record.kept} not kept)" if record.kept <= accepted else ""
     caption = (f"<b>Step {record.step + 1}{of}</b> · {drafted} draft nodes · accepted {accepted} + bonus → "
-               f"{accepted + 1} token{'s' if accepted else ''} {tokens}{timings}")
+               f"{record.kept} token{'s' if record.kept != 1 else ''}{ended} {tokens}{timings}")
     legend = "".join(
         f"<span><svg width='14' height='10'><rect x='1' y='1' width='12' height='8' rx='2' fill='{fill}' "
         f"stroke='{stroke}' opacity='{opacity}'/></svg> {name}</span>"

@@ -4,6 +4,7 @@ pipeline over a shared target, and generation streamed one engine step at a time
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -142,8 +143,9 @@ class PipelineForm:
 
 
 class EnginePool:
-    """Engines over one target loaded once: one per pipeline (the last ``max_engines`` kept), and
-    plain decoding measured once per prompt and sampling parameters for the speedup."""
+    """Engines over one target loaded once: one per pipeline (the last ``max_engines`` kept; a
+    second for a pipeline that two lanes run at once), and plain decoding's tokens/s and tokens
+    per prompt and sampling parameters, kept for the speedup."""
 
     def __init__(self, engine: EngineConfig, max_engines: int = 6):
         self.cfg = engine
@@ -155,9 +157,11 @@ class EnginePool:
         self._baselines: dict[tuple[str, str], tuple[float, list[int]]] = {}
         self._texts: dict[int, str] = {}
 
-    def engine(self, p: PipelineConfig) -> SpecEngine:
-        """The warmed-up engine of pipeline ``p`` (built on first use)."""
-        key = json.dumps([p.drafter, p.tree, p.verifier], sort_keys=True, default=str)
+    def engine(self, p: PipelineConfig, busy: tuple[SpecEngine, ...] = ()) -> SpecEngine:
+        """The warmed-up engine of pipeline ``p`` (built on first use), other than those ``busy``:
+        two lanes on one engine would take each other's finished requests."""
+        pipeline = json.dumps([p.drafter, p.tree, p.verifier], sort_keys=True, default=str)
+        key = next(k for k in (f"{pipeline}#{copy}" for copy in itertools.count()) if self._engines.get(k) not in busy)
         if key not in self._engines:
             kwargs = dataclasses.asdict(self.cfg) | {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}
             del kwargs["target"]
@@ -176,18 +180,12 @@ class EnginePool:
         return self._texts[token_id]
 
     def cached_baseline(self, prompt: str, params: SamplingParams) -> tuple[float, list[int]] | None:
+        """``(tokens_per_s, token_ids)`` of plain decoding of ``prompt``, once a ``stream`` measured it."""
         return self._baselines.get((prompt, repr(params)))
 
-    def baseline(self, prompt: str, params: SamplingParams) -> tuple[float, list[int]]:
-        """``(tokens_per_s, token_ids)`` of plain decoding of ``prompt``, measured like a Lane."""
-        key = (prompt, repr(params))
-        if key not in self._baselines:
-            lane = start_lane(self, PLAIN, prompt, params)
-            while lane.state == "running":
-                lane.advance()
-            assert lane.state == "done", lane.error  # the pipelines just ran the same prompt
-            self._baselines[key] = (lane.stats.tokens_per_s, lane.token_ids)
-        return self._baselines[key]
+    def keep_baseline(self, prompt: str, params: SamplingParams, lane: "Lane") -> tuple[float, list[int]]:
+        self._baselines[(prompt, repr(params))] = (lane.stats.tokens_per_s, lane.token_ids)
+        return self._baselines[(prompt, repr(params))]
 
 
 @dataclass
@@ -238,10 +236,12 @@ class Lane:
             self.engine.abort(self.request_id)
 
 
-def start_lane(pool: EnginePool, pipeline: PipelineConfig, prompt: str, params: SamplingParams) -> Lane:
-    """Queue ``prompt`` on the pipeline's engine; a pipeline that cannot load gives a failed Lane."""
+def start_lane(pool: EnginePool, pipeline: PipelineConfig, prompt: str, params: SamplingParams,
+               lanes: list[Lane] = ()) -> Lane:
+    """Queue ``prompt`` on the pipeline's engine (one none of ``lanes`` runs on); a pipeline that
+    cannot load gives a failed Lane."""
     try:
-        engine = pool.engine(pipeline)
+        engine = pool.engine(pipeline, busy=tuple(lane.engine for lane in lanes if lane.engine is not None))
         return Lane(pipeline.name, engine, engine.add_request(prompt, params))
     except USER_ERRORS as e:
         return Lane.failed(pipeline.name, e)
@@ -249,9 +249,11 @@ def start_lane(pool: EnginePool, pipeline: PipelineConfig, prompt: str, params: 
 
 def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingParams,
            stop: threading.Event) -> Iterator[list[Lane]]:
-    """Step running lanes in turn, yielding after each round; when all are done, add the speedup
-    against plain decoding of the same prompt (not to a lane that failed). ``stop`` ends the
-    generation between steps."""
+    """Step running lanes in turn, yielding after each round; then add the speedup against plain
+    decoding of the same prompt (not to a lane that failed). Plain decoding not measured yet for
+    this prompt runs as a hidden lane stepped in the same rounds, so it is timed alongside
+    whatever else the process does meanwhile (the UI's frames), as the lanes are. ``stop`` ends
+    the generation between steps."""
     def attach(baseline: tuple[float, list[int]]) -> None:
         for lane in lanes:
             if lane.state == "error":
@@ -260,24 +262,26 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
             if params.greedy and lane.state == "done":
                 lane.stats.matches_baseline = lane.token_ids == baseline[1]
 
+    cached = pool.cached_baseline(prompt, params)
+    plain = [] if cached is not None else [start_lane(pool, PLAIN, prompt, params, lanes)]
     try:
-        if (cached := pool.cached_baseline(prompt, params)) is not None:
+        if cached is not None:
             attach(cached)
         yield lanes
-        while any(lane.state == "running" for lane in lanes):
+        while any(lane.state == "running" for lane in lanes + plain):
             if stop.is_set():
-                for lane in lanes:
+                for lane in lanes + plain:
                     if lane.state == "running":
                         lane.close()
                         lane.state = "stopped"
                 break
-            for lane in lanes:
+            for lane in lanes + plain:
                 if lane.state == "running":
                     lane.advance()
             yield lanes
-        if any(lane.state == "done" for lane in lanes) and not stop.is_set():
-            attach(pool.baseline(prompt, params))
+        if plain and plain[0].state == "done" and any(lane.state == "done" for lane in lanes):
+            attach(pool.keep_baseline(prompt, params, plain[0]))
             yield lanes
     finally:
-        for lane in lanes:
+        for lane in lanes + plain:
             lane.close()

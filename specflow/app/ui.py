@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from html import escape
 from pathlib import Path
 
@@ -38,6 +38,7 @@ CSS = """
 .sf-state.sf-running { background: #dbeafe; } .sf-state.sf-done { background: #dcfce7; }
 .sf-state.sf-error, .sf-state.sf-stopped { background: #fee2e2; }
 .sf-lane { font-size: 15px; font-weight: 600; margin: 2px 0; }
+.sf-ran { font-size: 12px; font-weight: 400; color: #666; margin-left: 6px; }
 .sf-error { color: #991b1b; background: #fef2f2; border: 1px solid #fecaca; border-radius: 6px; padding: 8px;
             white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 13px; }
 .sf-warning { color: #92400e; }
@@ -66,7 +67,8 @@ def lane_outputs(lane: Lane, pool: EnginePool, tag: str) -> list:
     for record in lane.steps:
         for t in [*record.tree["tokens"], record.bonus_token]:
             view.texts[t] = pool.token_text(t)
-    header = f"<div class='sf-lane'>{tag} · {escape(lane.name)}</div>"
+    ran = f" <span class='sf-ran'>{escape(lane.engine.pipeline.describe())}</span>" if lane.engine else ""
+    header = f"<div class='sf-lane'>{tag} · {escape(lane.name)}{ran}</div>"
     if lane.error:
         header += f"<div class='sf-error'>{escape(lane.error)}</div>"
     n = len(lane.steps)
@@ -169,8 +171,17 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
     first = catalog.pipelines[labels[0]]
     second = next((name for name, p in catalog.pipelines.items()
                    if p.drafter and (p.tree, p.drafter) != (first.tree, first.drafter)), labels[-1])
-    stop = threading.Event()
+    stops: dict[str, threading.Event] = {}   # each browser session's Stop
     s = catalog.sampling
+
+    def stop_event(request: gr.Request) -> threading.Event:
+        return stops.setdefault(request.session_hash, threading.Event())
+
+    def stop_run(request: gr.Request) -> None:
+        stop_event(request).set()
+
+    def forget(request: gr.Request) -> None:   # (a closed tab)
+        stops.pop(request.session_hash, None)
 
     with gr.Blocks(title="specflow · draft trees", analytics_enabled=False) as demo:
         gr.Markdown(header_markdown(catalog, pool))
@@ -181,7 +192,7 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
                     temperature = gr.Slider(0.0, 2.0, value=s.temperature, step=0.05, label="temperature")
                     top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.05, label="top_p")
                     top_k = gr.Number(s.top_k, label="top_k (-1: off)", precision=0)
-                    max_tokens = gr.Slider(1, 512, value=s.max_tokens, step=1, label="max_tokens")
+                    max_tokens = gr.Slider(1, 512, value=s.max_tokens, step=1, label="max_tokens", elem_id="max-tokens")
                     seed = gr.Number(s.seed, label="seed", precision=0)
                     ignore_eos = gr.Checkbox(s.ignore_eos, label="ignore EOS")
                 side_by_side = gr.Checkbox(False, label="side by side: two pipelines on the same prompt",
@@ -201,7 +212,8 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
         side_by_side.change(lambda on: [gr.Column(visible=on), gr.Column(visible=on)], side_by_side,
                             [panel_b.column, out_b.column])
 
-        def run(prompt_text, temp, p, k, n, seed_value, no_eos, both, *values):
+        def run(request: gr.Request, prompt_text, temp, p, k, n, seed_value, no_eos, both, *values):
+            stop = stop_event(request)
             stop.clear()
             try:
                 params = SamplingParams(temperature=temp, top_p=p, top_k=-1 if k is None else int(k),
@@ -219,7 +231,11 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
                 except ConfigError as e:
                     lanes.append(Lane.failed(name, e))
                     continue
-                lanes.append(start_lane(pool, pipeline, prompt_text, params))
+                listed = PipelineForm.from_pipeline(catalog.pipelines[name]).to_pipeline()
+                if (pipeline.drafter, pipeline.tree, pipeline.verifier) != (listed.drafter, listed.tree, listed.verifier):
+                    # (fields edited, or not yet refilled for a pipeline just picked): say so
+                    pipeline = replace(pipeline, name=f"{name} (edited)")
+                lanes.append(start_lane(pool, pipeline, prompt_text, params, lanes))
             shown = 0.0
             for current in stream(pool, lanes, prompt_text, params, stop):
                 if time.perf_counter() - shown >= FRAME_S:
@@ -239,7 +255,8 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
         inputs = [prompt, temperature, top_p, top_k, max_tokens, seed, ignore_eos, side_by_side,
                   panel_a.picker, *panel_a.fields, panel_b.picker, *panel_b.fields]
         generate.click(run, inputs, [status, *out_a.outputs, *out_b.outputs], concurrency_limit=1)
-        stop_button.click(stop.set, None, None, concurrency_limit=None)
+        stop_button.click(stop_run, None, None, concurrency_limit=None)
+        demo.unload(forget)
     return demo
 
 

@@ -103,3 +103,35 @@ def test_a_pipeline_that_cannot_load_shows_a_message_not_a_traceback(page):
     generate(page)
     error = page.locator("#header-a .sf-error").inner_text()
     assert "does not exist" in error and "Traceback" not in page.content()
+
+
+def test_the_same_pipeline_in_both_lanes_runs_twice(page):
+    """(both lanes ran on one engine, each taking the other's finished request: a crash)"""
+    page.locator("#side-by-side input").check()
+    page.locator("#picker-b input").fill("tiny / self-chain")
+    page.locator("#picker-b input").press("Enter")
+    page.wait_for_function("document.querySelector('#tree-type-b input').value === 'chain'", timeout=WAIT_MS)
+    generate(page)
+    assert "A: done, B: done" in page.locator("#status").inner_text()
+    for lane in "ab":   # the header names the pipeline and what ran
+        assert page.locator(f"#header-{lane}").inner_text().startswith(f"{lane.upper()} · tiny / self-chain "
+                                                                      "draft_model x chain x greedy")
+    texts = [page.locator(f"#text-{lane} textarea").input_value() for lane in "ab"]
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_stop_in_one_tab_leaves_another_tab_s_run_alone(browser, app_url):
+    """Each browser session has its own Stop (one Event for all stopped every tab's run)."""
+    running, other = browser.new_page(), browser.new_page()
+    for p in (running, other):
+        p.goto(app_url)
+    running.get_by_text("sampling", exact=True).click()   # (the accordion)
+    running.locator("#max-tokens input[type=number]").fill("512")
+    running.locator("#max-tokens input[type=number]").press("Enter")
+    running.locator("#generate").click()
+    running.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
+    other.locator("#stop").click()
+    running.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
+    assert "A: done" in running.locator("#status").inner_text()
+    for p in (running, other):
+        p.close()

@@ -1,6 +1,7 @@
 """The pure tree renderer: every valid node drawn once with its text and q, the accepted path,
 rejected nodes and the bonus marked, padding omitted, well-formed and deterministic SVG."""
 
+import dataclasses
 import xml.etree.ElementTree as ET
 
 from hypothesis import given, settings
@@ -34,7 +35,7 @@ RECORD = StepRecord(
     tree={"tokens": [10, 11, 12, 13, 14, 15, 0], "parents": [-1, 0, 0, 1, 2, 2, 0],
           "depth": [0, 1, 1, 2, 2, 2, 1], "scores": [1.0, 0.6, 0.4, 0.3, 0.1, 0.3, 0.0],
           "valid": [True] * 6 + [False]},
-    accepted=[0, 2, 5], bonus_token=99, timings={"draft": 0.002, "verify": 0.004})
+    accepted=[0, 2, 5], bonus_token=99, kept=3, timings={"draft": 0.002, "verify": 0.004})
 TEXT = {10: "def", 11: " f", 12: "(x", 13: "\n", 14: "<&>", 15: "):", 99: " return"}.get
 
 
@@ -72,12 +73,21 @@ def test_rendering_is_deterministic_and_the_step_html_has_caption_and_tree():
     assert render_tree(RECORD, TEXT) == render_tree(RECORD, TEXT)
     html = render_step(RECORD, TEXT, num_steps=7)
     ET.fromstring(html)  # the whole step panel is well-formed too
-    assert "Step 3 of 7" in html and "accepted 2 + bonus → 3 tokens" in html and html.count("<svg") == 5
+    assert "Step 3 of 7" in html and "accepted 2 + bonus → 3 tokens <code>" in html and html.count("<svg") == 5
+    assert "<code>(x):</code><code class='bonus'>␣return</code>" in html
+
+
+def test_a_step_the_request_ended_inside_says_what_it_kept():
+    """max_tokens (or an EOS, a stop) ended the request after the first accepted draft: the caption
+    says 1 token kept, shows that token alone, no bonus."""
+    html = render_step(dataclasses.replace(RECORD, kept=1), TEXT)
+    assert "accepted 2 + bonus → 1 token (the request ended there: 2 not kept) <code>(x</code>" in html
+    assert "class='bonus'" not in html.split("sf-caption")[1].split("</div>")[0]
 
 
 def test_plain_decoding_step_is_the_root_and_its_bonus():
     record = StepRecord(0, 0, {"tokens": [7], "parents": [-1], "depth": [0], "scores": [1.0], "valid": [True]},
-                        [0], 8, {})
+                        [0], 8, 1, {})
     nodes = nodes_of(render_tree(record))
     assert set(nodes) == {"0", "bonus"} and texts(nodes["bonus"]) == ["8", "bonus"]
 
@@ -107,7 +117,7 @@ def step_records(draw):
     tree = {"tokens": tokens + [0] * n_pad, "parents": parents + [0] * n_pad, "depth": depth + [1] * n_pad,
             "scores": scores + [0.0] * n_pad, "valid": [True] * n_valid + [False] * n_pad}
     texts = draw(st.lists(st.text(max_size=6), min_size=32, max_size=32))
-    return StepRecord(0, 0, tree, path[::-1], draw(st.integers(0, 31)), {}), texts
+    return StepRecord(0, 0, tree, path[::-1], draw(st.integers(0, 31)), len(path), {}), texts
 
 
 @settings(max_examples=60, deadline=None)

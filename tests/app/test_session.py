@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from specflow.app.render import render_step
-from specflow.app.session import (NO_DRAFTER, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
+from specflow.app.session import (NO_DRAFTER, PLAIN, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
                                   stream)
 from specflow.bench.experiment_config import PipelineConfig
 from specflow.cli import main
@@ -161,3 +161,20 @@ def test_a_lane_that_crashes_shows_no_speedup(pool, monkeypatch):
         assert lanes[0].state == "done" and lanes[0].stats.speedup > 0
         assert lanes[1].state == "error" and lanes[1].error == "RuntimeError: drafter bug"
         assert lanes[1].stats.tokens > 0 and lanes[1].stats.speedup is None
+
+
+def test_lanes_of_one_pipeline_and_the_baseline_each_get_their_own_engine(pool):
+    """Two lanes on one engine took each other's finished requests (a crash); plain decoding as a
+    lane beside its own hidden baseline lane is the same case. An engine serves one lane of a run."""
+    prompt = "import os\nimport sys\n"   # (a prompt whose baseline is not cached yet)
+    ngram = PipelineConfig("ngram", {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"})
+    lanes = [start_lane(pool, ngram, prompt, PARAMS)]
+    lanes.append(start_lane(pool, ngram, prompt, PARAMS, lanes))
+    lanes.append(start_lane(pool, PLAIN, prompt, PARAMS, lanes))
+    assert len({id(lane.engine) for lane in lanes}) == 3
+    assert pool.engine(ngram, busy=(lanes[0].engine,)) is lanes[1].engine   # (kept for the next run)
+    for _ in stream(pool, lanes, prompt, PARAMS, threading.Event()):
+        pass
+    assert [lane.state for lane in lanes] == ["done"] * 3
+    assert all(lane.stats.matches_baseline and lane.stats.speedup > 0 for lane in lanes)
+    assert lanes[0].token_ids == lanes[1].token_ids == pool.cached_baseline(prompt, PARAMS)[1]
