@@ -130,12 +130,22 @@ class PipelinePanel:
                        verifier_type, verifier_params]
         self.picker.change(lambda name: form_values(PipelineForm.from_pipeline(self.catalog.pipelines[name])),
                            self.picker, self.fields)
-        tree_type.input(self.tree_type_changed, tree_type, [depth, topk, num_draft_tokens])
+        # a new type's parameters: the old type's would be unknown keys
+        tree_type.input(self.tree_type_changed, tree_type, [depth, topk, num_draft_tokens, tree_params])
+        drafter_type.input(lambda kind: self.listed_params("drafter", kind), drafter_type, drafter_params)
+        verifier_type.input(lambda kind: self.listed_params("verifier", kind), verifier_type, verifier_params)
 
     @staticmethod
     def tree_type_changed(tree_type: str) -> list:
         form = PipelineForm("", tree_type=tree_type, **tree_param_defaults(tree_type))
-        return form_values(form)[3:6]
+        return form_values(form)[3:7]
+
+    def listed_params(self, component: str, kind: str) -> str:
+        """The params of the first listed pipeline whose drafter (or verifier) is of type ``kind``
+        (a checkpoint path to start from), else none."""
+        forms = (PipelineForm.from_pipeline(p) for p in self.catalog.pipelines.values())
+        return next((getattr(f, f"{component}_params") for f in forms if getattr(f, f"{component}_type") == kind),
+                    "{}")
 
 
 class OutputPanel:

@@ -178,3 +178,26 @@ def test_lanes_of_one_pipeline_and_the_baseline_each_get_their_own_engine(pool):
     assert [lane.state for lane in lanes] == ["done"] * 3
     assert all(lane.stats.matches_baseline and lane.stats.speedup > 0 for lane in lanes)
     assert lanes[0].token_ids == lanes[1].token_ids == pool.cached_baseline(prompt, PARAMS)[1]
+
+
+def test_a_component_type_change_brings_that_type_s_parameters(tmp_path, tiny_target):
+    """(the old type's parameters stayed: ngram -> draft_model said "unknown key 'scope'")"""
+    gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
+    from specflow.app.ui import PipelinePanel
+
+    (tmp_path / "exp.yaml").write_text(f"""\
+name: exp
+engine: {{target: {tiny_target}, device: cpu, dtype: float32}}
+pipelines:
+  - {{name: a, drafter: {{type: ngram, max_window: 2}}, tree: {{type: chain}}, verifier: {{type: greedy}}}}
+  - {{name: b, drafter: {{type: draft_model, path: {tiny_target}}}, tree: {{type: chain}},
+     verifier: {{type: threshold, threshold_single: 0.4}}}}
+""")
+    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
+    with gr.Blocks():
+        panel = PipelinePanel("A", catalog, "exp / a")
+    assert panel.listed_params("drafter", "draft_model") == f"{{path: {tiny_target}}}"
+    assert panel.listed_params("drafter", "ngram") == "{max_window: 2}" and panel.listed_params("drafter", "eagle") == "{}"
+    assert panel.listed_params("verifier", "threshold") == "{threshold_single: 0.4}"
+    *numbers, tree_params = panel.tree_type_changed("static")
+    assert tree_params == "{}" and len(numbers) == 3
