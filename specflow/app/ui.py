@@ -242,7 +242,7 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
                     lanes.append(Lane.failed(name, e))
                     continue
                 listed = PipelineForm.from_pipeline(catalog.pipelines[name]).to_pipeline()
-                if (pipeline.drafter, pipeline.tree, pipeline.verifier) != (listed.drafter, listed.tree, listed.verifier):
+                if replace(listed, name=pipeline.name) != pipeline:
                     # (fields edited, or not yet refilled for a pipeline just picked): say so
                     pipeline = replace(pipeline, name=f"{name} (edited)")
                 lanes.append(start_lane(pool, pipeline, prompt_text, params, lanes))

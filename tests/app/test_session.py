@@ -197,7 +197,8 @@ pipelines:
     with gr.Blocks():
         panel = PipelinePanel("A", catalog, "exp / a")
     assert panel.listed_params("drafter", "draft_model") == f"{{path: {tiny_target}}}"
-    assert panel.listed_params("drafter", "ngram") == "{max_window: 2}" and panel.listed_params("drafter", "eagle") == "{}"
+    assert panel.listed_params("drafter", "ngram") == "{max_window: 2}"
+    assert panel.listed_params("drafter", "eagle") == "{}"
     assert panel.listed_params("verifier", "threshold") == "{threshold_single: 0.4}"
     *numbers, tree_params = panel.tree_type_changed("static")
     assert tree_params == "{}" and len(numbers) == 3
