@@ -196,6 +196,7 @@ def tried_depth(tree: DraftTree, verdict: Verdict) -> Tensor:
     drafts, plus one where the last accepted node has a valid child (whose test failed). A path
     that ends at a leaf tried nothing deeper, however deep the tree's other branches go."""
     # (clamped: check_drafts has named a broken verdict; without it the commit refuses one)
-    last = verdict.accepted.gather(1, verdict.accept_len.clamp(0, verdict.accepted.shape[1] - 1)[:, None])  # [B, 1]
+    # (long: gather takes int32/int64 indices only, and check_verdict lets any integer dtype through)
+    last = verdict.accepted.gather(1, verdict.accept_len.long().clamp(0, verdict.accepted.shape[1] - 1)[:, None])
     parents, valid = tree.parents.to(last.device), tree.valid.to(last.device)
     return verdict.accept_len + ((parents == last) & valid).any(1)                      # [B]

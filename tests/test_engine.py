@@ -593,3 +593,16 @@ def test_check_drafts_refuses_a_sampled_node_whose_token_has_no_q(tiny_target):
                         device="cpu", dtype="float32", check_drafts=True)
     with pytest.raises(ValueError, match="the NgramDrafter drafter with the BrokenChain marked nodes sampled .* q = 0"):
         engine.generate([PROMPTS[0] * 3], SamplingParams(temperature=0.8, max_tokens=24, seed=0, ignore_eos=True))
+
+
+def test_tried_depth_takes_any_integer_verdict():
+    """check_verdict lets any integer dtype through; gather takes int32/int64 indices only."""
+    from specflow.spec_step import tried_depth
+    from specflow.tree import DraftTree, Verdict
+    depth = torch.tensor([[0, 1, 2]])
+    tree = DraftTree(tokens=torch.tensor([[5, 6, 7]]), parents=torch.tensor([[-1, 0, 1]]), depth=depth,
+                     positions=depth + 3, scores=torch.ones(1, 3), valid=torch.ones(1, 3, dtype=torch.bool),
+                     sampled=torch.zeros(1, 3, dtype=torch.bool))
+    verdict = Verdict(torch.tensor([[0, 1, -1]], dtype=torch.int16), torch.tensor([1], dtype=torch.int16),
+                      torch.tensor([9]))
+    assert tried_depth(tree, verdict).tolist() == [2]

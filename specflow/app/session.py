@@ -263,10 +263,12 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
                 lane.stats.matches_baseline = lane.token_ids == baseline[1]
 
     cached = pool.cached_baseline(prompt, params)
-    plain = [] if cached is not None else [start_lane(pool, PLAIN, prompt, params, lanes)]
-    try:
+    plain: list[Lane] = []
+    try:  # (from here on every lane is closed, whatever happens: the hidden one's start too)
         if cached is not None:
             attach(cached)
+        else:
+            plain.append(start_lane(pool, PLAIN, prompt, params, lanes))
         yield lanes
         while any(lane.state == "running" for lane in lanes + plain):
             if stop.is_set():
@@ -279,9 +281,11 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
                 if lane.state == "running":
                     lane.advance()
             yield lanes
-        if plain and plain[0].state == "done" and any(lane.state == "done" for lane in lanes):
-            attach(pool.keep_baseline(prompt, params, plain[0]))
-            yield lanes
+        if plain and plain[0].state == "done":  # (kept even where every lane failed: it ran to the end)
+            baseline = pool.keep_baseline(prompt, params, plain[0])
+            if any(lane.state == "done" for lane in lanes):
+                attach(baseline)
+                yield lanes
     finally:
         for lane in lanes + plain:
             lane.close()

@@ -241,8 +241,11 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
                 except ConfigError as e:
                     lanes.append(Lane.failed(name, e))
                     continue
-                listed = PipelineForm.from_pipeline(catalog.pipelines[name]).to_pipeline()
-                if replace(listed, name=pipeline.name) != pipeline:
+                try:   # (a listed pipeline that no longer validates: the form's fields differ from it)
+                    listed = PipelineForm.from_pipeline(catalog.pipelines[name]).to_pipeline()
+                except (ConfigError, KeyError):
+                    listed = None
+                if listed is None or replace(listed, name=pipeline.name) != pipeline:
                     # (fields edited, or not yet refilled for a pipeline just picked): say so
                     pipeline = replace(pipeline, name=f"{name} (edited)")
                 lanes.append(start_lane(pool, pipeline, prompt_text, params, lanes))

@@ -83,9 +83,12 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                 if len(t) <= turn:
                     continue
                 text = render(chats[i])
-                room = context - len(engine.encode(text))  # the new tokens the context leaves this turn
-                if room < 1:  # the chat fills the context: no row, nor for its later turns (it stays
-                    bar.update()  # as it is); the run goes on
+                sent = len(engine.encode(text))
+                room = context - sent  # the new tokens the context leaves this turn
+                # the chat fills the context (or a prompt the KV pool cannot hold, which add_request
+                # refuses): no row, nor for its later turns (it stays as it is); the run goes on
+                if room < 1 or sent + 1 > engine.scheduler.max_request_tokens():
+                    bar.update()
                     continue
                 live.append(i)
                 texts.append(text)
@@ -113,6 +116,9 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                                      {"role": "user", "content": turns[i][turn + 1]}]
                 batch += 1
                 bar.update(len(outs))
+    if not rows:  # (summarize has nothing to average: say why rather than fail on an empty list)
+        raise ValueError(f"no prompt fits the model's context ({context} tokens) or the KV cache "
+                         f"({engine.scheduler.max_request_tokens()} tokens): every turn was left out")
     return rows
 
 

@@ -114,7 +114,11 @@ def train(run: TrainConfig) -> TrainResult:
 def check_resumable(ckpt: str | Path, module: L.LightningModule) -> None:
     """Refuse, before training, a checkpoint whose weights are not ``module``'s (another recipe's,
     or another shape's), naming a tensor and both shapes; Lightning fails deep in ``fit``."""
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    try:
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    except Exception as e:   # (a head's safetensors, a bare state dict: no Lightning checkpoint)
+        raise ConfigError(f"train.trainer.resume: {ckpt} is not a Lightning training checkpoint "
+                          f"(written by trainer.checkpoint_every_n_steps): {type(e).__name__}: {e}") from None
     own = module.state_dict()
     missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
     if missing or unexpected:

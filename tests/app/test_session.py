@@ -202,3 +202,27 @@ pipelines:
     assert panel.listed_params("verifier", "threshold") == "{threshold_single: 0.4}"
     *numbers, tree_params = panel.tree_type_changed("static")
     assert tree_params == "{}" and len(numbers) == 3
+
+
+def test_the_hidden_baseline_lane_is_closed_and_kept_whatever_the_lanes_do(pool, monkeypatch):
+    """The hidden plain lane starts inside the stream's try (an error starting it still closes the
+    visible lanes), and plain decoding that ran to the end is kept even where every lane failed."""
+    prompt = "def hidden(x):\n"
+    lanes = [Lane.failed("broken", "no such drafter")]
+    for _ in stream(pool, lanes, prompt, PARAMS, threading.Event()):
+        pass
+    assert pool.cached_baseline(prompt, PARAMS) is not None and lanes[0].stats.speedup is None
+
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("out of memory warming up")
+
+    closed = []
+    lane = start_lane(pool, PLAIN, "def other(y):\n", PARAMS)
+    monkeypatch.setattr(Lane, "close", lambda self: closed.append(self.name))
+    monkeypatch.setattr("specflow.app.session.start_lane", cannot_start)
+    with pytest.raises(RuntimeError):
+        for _ in stream(pool, [lane], "def other(y):\n", PARAMS, threading.Event()):
+            pass
+    assert closed == [lane.name]
+    monkeypatch.undo()
+    lane.close()

@@ -449,7 +449,8 @@ def test_a_step_s_tried_depth_follows_its_accepted_path_not_the_tree_s_depth():
     valid = torch.ones(5, 4, dtype=torch.bool)
     valid[4, 3] = False  # row 4: node 3 is padding, so node 2 is a leaf there
     tree = DraftTree(tokens=torch.tensor([[5, 6, 7, 8]] * 5), parents=torch.tensor([[-1, 0, 0, 2]] * 5), depth=depth,
-                     positions=depth + 10, scores=torch.ones(5, 4), valid=valid, sampled=torch.zeros(5, 4, dtype=torch.bool))
+                     positions=depth + 10, scores=torch.ones(5, 4), valid=valid,
+                     sampled=torch.zeros(5, 4, dtype=torch.bool))
     paths = torch.tensor([[0, 1, -1], [0, -1, -1], [0, 2, 3], [0, 2, -1], [0, 2, -1]])  # [B, D + 1]
     accept_len = torch.tensor([1, 0, 2, 1, 1])
     assert tried_depth(tree, Verdict(paths, accept_len, torch.zeros(5, dtype=torch.long))).tolist() == [1, 1, 2, 2, 1]
@@ -670,3 +671,14 @@ def test_a_chat_that_outgrows_the_context_is_cut_and_the_run_goes_on(tmp_path):
     assert context_cuts(full, prompts, cfg) == {"turns_shortened": [], "turns_left_out": []}
     # the baseline's rows are matched by id: a turn left out on one side is no mismatch on the other
     assert summarize(rows[:2], full)["matches_baseline"] == 1.0
+
+
+def test_a_suite_whose_every_prompt_outgrows_the_context_says_so(tmp_path):
+    """(summarize failed on the empty rows: "quantile() input tensor must be non-empty")"""
+    suite = tmp_path / "question.jsonl"
+    suite.write_text(json.dumps({"question_id": "a", "category": "code", "turns": ["import os\n" * 40]}) + "\n")
+    cfg = ExperimentConfig(batch_size=1, warmup=0, sampling=SamplingConfig(max_tokens=4, ignore_eos=True))
+    engine = SpecEngine(ZOO_TARGET, device="cpu", dtype="float32")
+    engine.model.config.max_position_embeddings = 16
+    with pytest.raises(ValueError, match="no prompt fits the model's context"):
+        run_pipeline(engine, load_suite(str(suite)), cfg, "x")

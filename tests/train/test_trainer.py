@@ -126,3 +126,11 @@ def test_max_time_bounds_each_part_of_a_resumed_run(tmp_path, tiny_target):
     timer = StepTimer("00:01:00:00")
     timer.load_state_dict({"time_elapsed": {"train": 3600.0}})   # (a checkpoint's hour gone)
     assert timer.time_elapsed() == 0.0
+
+
+def test_resuming_from_a_file_that_is_no_training_checkpoint_names_the_key(tmp_path, tiny_target):
+    bare = tmp_path / "weights.pt"
+    torch.save({"head.fc.weight": torch.zeros(2, 2)}, bare)
+    cfg = tiny_config(tmp_path, {"type": "eagle"}, target=tiny_target, steps=2, trainer_extra={"resume": str(bare)})
+    with pytest.raises(ConfigError, match=r"train.trainer.resume: .*weights.pt is not a Lightning training checkpoint"):
+        train(cfg)
