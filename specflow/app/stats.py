@@ -78,7 +78,8 @@ def render_stats(stats: RunStats, current: int | None = None, state: str = "") -
         speedup = f"{stats.speedup:.2f}×"
     else:
         speedup = "measuring…" if state in ("running", "done") else "—"
-    cells = [("accepted length", f"{stats.mean_accept_length:.2f}"), ("tokens", str(stats.tokens)),
+    accepted = f"{stats.mean_accept_length:.2f}" if stats.accept_lengths else "—"   # (the prefill's token alone)
+    cells = [("accepted length", accepted), ("tokens", str(stats.tokens)),
              ("tokens/s", f"{stats.tokens_per_s:.1f}"), ("speedup vs plain", speedup)]
     if stats.matches_baseline is not None:
         cells.append(("same tokens as plain", "yes" if stats.matches_baseline else "no"))

@@ -35,3 +35,9 @@ def test_stats_panel_says_measuring_until_plain_decoding_is_timed():
     done = render_stats(stats, current=1, state="done")
     assert "2.00×" in done and "same tokens as plain" in done
     assert "—" in render_stats(RunStats(), state="stopped")
+
+
+def test_a_generation_of_one_token_has_no_accept_length():
+    """max_tokens 1: the prefill's token alone, no speculative step (it read 0.00)."""
+    html = render_stats(RunStats([], tokens=1, seconds=0.1, baseline_tokens_per_s=10.0), state="done")
+    assert ">—</div><div class='sf-label'>accepted length" in html
