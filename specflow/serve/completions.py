@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import time
 import uuid
@@ -83,6 +84,8 @@ class OpenAIServing:
             self.inputs.check_context(ids, max_tokens, "prompt", "max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
         per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)  # (read, never written:
+        if not body.stream:  # a prompt's first choice scores it for all n (streamed, each needs its own at once)
+            per_choice = per_choice[:1] + [dataclasses.replace(p, prompt_logprobs=None) for p in per_choice[1:]]
         choices = [(ids, params) for ids in prompts for params in per_choice]             # prompts share them)
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -125,8 +128,8 @@ class OpenAIServing:
         return _json_response(CompletionResponse(
             id=rid, created=created, model=self.model_name,
             usage=usage(outs if generates else [], prompt_tokens, cached(outs, body.n)),
-            choices=[choice(i, o.text, o.token_ids, o.logprobs, o.finish_reason, o.prompt_logprobs)
-                     for i, o in enumerate(outs)]))
+            choices=[choice(i, o.text, o.token_ids, o.logprobs, o.finish_reason,
+                            outs[i - i % body.n].prompt_logprobs) for i, o in enumerate(outs)]))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.inputs.check_model(body.model)

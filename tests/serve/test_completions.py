@@ -236,6 +236,10 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
     assert chunks[0].choices[0].text.startswith(PROMPTS[2])
     assert "".join(c.choices[0].text for c in chunks) == full.text
     assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == full.logprobs.token_logprobs
+    # n choices of a prompt: its first scores it for all (the others prefill from the prefix cache)
+    several = client.completions.create(**{**body, "n": 3, "temperature": 0.8, "seed": 1}).choices
+    assert [c.logprobs.token_logprobs[:n_prompt] for c in several] == [full.logprobs.token_logprobs[:n_prompt]] * 3
+    assert [c.logprobs.top_logprobs[:n_prompt] for c in several] == [full.logprobs.top_logprobs[:n_prompt]] * 3
     without = client.completions.create(model=MODEL, prompt=[5, 6, 7], echo=True, max_tokens=2, temperature=0.0)
     assert without.choices[0].text.startswith(reference.decode([5, 6, 7])) and without.choices[0].logprobs is None
 
