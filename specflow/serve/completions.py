@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import json
 import time
 import uuid
@@ -85,7 +84,8 @@ class OpenAIServing:
         prompt_logprobs = body.logprobs if body.echo else None
         per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)  # (read, never written:
         if not body.stream:  # a prompt's first choice scores it for all n (streamed, each needs its own at once)
-            per_choice = per_choice[:1] + [dataclasses.replace(p, prompt_logprobs=None) for p in per_choice[1:]]
+            for p in per_choice[1:]:   # (copies of the first: nothing to check again)
+                p.prompt_logprobs = None
         choices = [(ids, params) for ids in prompts for params in per_choice]             # prompts share them)
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
