@@ -65,21 +65,39 @@ class TextStream:
         self._stream = DecodeStream(skip_special_tokens=True) if streams else None
         self._text = ""
         self._holding = False  # the last token's text is held back (it ends inside a character)
+        # tokens added, and the last two counts at which the stream held nothing back (its text
+        # then is the exact decode of that many ids): a held-back tail decodes from there
+        self._added = self._stable = self._prev_stable = 0
 
     def add(self, token_id: int) -> None:
         if self._stream is not None:
             piece = self._stream.step(self._backend, token_id)
+            self._added += 1
             self._holding = piece is None
-            self._text += piece or ""
+            if piece is not None:
+                self._text += piece
+                self._prev_stable, self._stable = self._stable, self._added
 
     def text(self, ids: list[int]) -> str:
         """The text of ``ids``, every token so far ``add``-ed (held-back characters left out)."""
         return self._text if self._stream is not None else self.decode(ids)
 
     def exact(self, ids: list[int]) -> str:
-        """``decode(ids)``: the streamed text, or a full decode while the stream holds back a token
-        (whose text may begin with whole characters, before the unfinished one)."""
-        return self.decode(ids) if self._stream is None or self._holding else self._text
+        """``decode(ids)``: the streamed text, or while the stream holds back a token (whose text
+        may begin with whole characters, before the unfinished one) the streamed text and the
+        decode of the held-back tail: the ids from the stream's last point without a held-back
+        token, decoded after the ids since the point before it (whose first token a decoder may
+        treat as a first one: a leading space stripped), as the stream itself decodes. O(the
+        tail), not a decode of the whole output."""
+        if self._stream is None:
+            return self.decode(ids)
+        if not self._holding:
+            return self._text
+        start, stable = self._prev_stable, self._stable
+        if not start:  # (fewer than two clean points yet: a full decode, as before)
+            return self.decode(ids)
+        head, full = self.decode(ids[start:stable]), self.decode(ids[start:])
+        return self._text + full[len(head):] if full.startswith(head) else self.decode(ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

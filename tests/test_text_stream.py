@@ -48,6 +48,34 @@ def test_streamed_text_is_a_prefix_of_the_decode_and_ends_equal(tokenizer, text)
     assert stream._stream is not None, "a fast tokenizer streams"
 
 
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=ALPHABET + "🙂€", min_size=1, max_size=60))
+def test_exact_text_is_the_decode_at_every_token(tokenizer, text):
+    """``exact`` (stop strings read it) equals a full decode after every token, also while the
+    stream holds back an unfinished character, which it decodes from its last clean point only."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = TextStream(tokenizer)
+    for i, token in enumerate(ids):
+        stream.add(token)
+        assert stream.exact(ids[:i + 1]) == tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+
+
+def test_exact_decodes_a_held_back_tail_only(tokenizer, monkeypatch):
+    """While a long output's last character is unfinished, ``exact`` decodes a few tokens, not
+    the whole output."""
+    ids = tokenizer.encode("ab " * 200 + "日", add_special_tokens=False)
+    stream = TextStream(tokenizer)
+    for token in ids[:-1]:
+        stream.add(token)
+    decoded = []
+    decode = stream.decode
+    monkeypatch.setattr(stream, "decode", lambda part: decoded.append(len(part)) or decode(part))
+    text = stream.exact(ids[:-1])
+    assert text == tokenizer.decode(ids[:-1], skip_special_tokens=True)
+    if stream._holding:  # (a byte-level "日" takes several tokens; byte fallback three)
+        assert decoded and max(decoded) < 10
+
+
 def test_tokenizers_that_clean_up_spaces_decode_in_full():
     tokenizer = sentencepiece_like()
     tokenizer.clean_up_tokenization_spaces = True
