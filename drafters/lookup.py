@@ -47,8 +47,9 @@ def ranked_expansion(answers: list[list[Ranked]], frontier: Frontier, vocab_size
             total = sum(weight for _, weight in ranked)
             for rank, (token, weight) in enumerate(ranked[:k]):
                 tokens[i][j][rank], logprobs[i][j][rank] = token, math.log(weight / total)
-            q_index += [(i, j, token) for token, _ in ranked]
-            q_value += [weight / total for _, weight in ranked]
+            if frontier.want_probs:  # (q over every follower: only when asked, they can be many)
+                q_index += [(i, j, token) for token, _ in ranked]
+                q_value += [weight / total for _, weight in ranked]
     device = frontier.nodes.device
     probs = None
     if frontier.want_probs:
