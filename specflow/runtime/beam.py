@@ -100,6 +100,7 @@ class Beam:
         self.children, self.children_logprobs = children, children_logprobs                # [B, 1, k] each
         self.root_hidden = root_hidden                                                     # [B, H]
         self.planned: list[dict] | None = None  # per level, when planned before the run
+        self.kv_index: Tensor | None = None     # else every level's KV index, made at the first
         self.tokens, self.hidden, self.level = children, root_hidden, 0
 
     @torch.inference_mode()
@@ -120,7 +121,8 @@ class Beam:
             *state, self.branch, self.positions = to_device([*state, self.branch, self.positions], device)
             return tuple(fn(*state))
         s = next(size for size in graphs.sizes if size >= b)
-        batches = [self._batch(d, s, kv_bucket(self.prefix.shape[1] + self.levels)) for d in range(1, self.levels + 1)]
+        kv_index = self._kv_index(s, kv_bucket(self.prefix.shape[1] + self.levels))
+        batches = [self._batch(d, s, kv_index) for d in range(1, self.levels + 1)]
         attn = self.runner.attn
         shapes = tuple((x.shape[1:], x.dtype) for x in state)
         gkey = (key, s, shapes, attn.graph_key(batches[0]))
@@ -129,7 +131,7 @@ class Beam:
             g = graphs.beams[gkey] = self._new_graph(s, state)
         for batch, planned in zip(batches, g.attn):
             attn.plan(batch, graph=planned)
-        pad = int(self.runner.cache.batch_slot_array([PAD_REQUEST], [1])[0, 0])             # the padding slot
+        pad = self._pad_slot()
         # this build's inputs, moved in one copy, and their static tensors (padding: fill)
         inputs = to_device([*state, self.branch, self.positions, self.children], device)
         statics = [*g.state, g.branch, g.positions, g.children]
@@ -207,7 +209,9 @@ class Beam:
             for pool in (cache.k, cache.v):
                 pool[:, dst] = pool[:, src]
         if self.planned is None:
-            self.runner.attn.plan(self._batch(d, s, self.prefix.shape[1] + d))
+            if self.kv_index is None:
+                self.kv_index = self._kv_index(s, self.prefix.shape[1] + self.levels)
+            self.runner.attn.plan(self._batch(d, s, self.kv_index))
         else:
             self.runner.attn.use(self.planned[d - 1])
         out, _ = self.runner.model(tokens.view(-1), self.positions + d, self.runner.attn, (), **inputs)  # [S * k, H]
@@ -219,28 +223,38 @@ class Beam:
         top = top.view(s, k, 2 * k)
         return top[..., k:].long(), top[..., :k].masked_fill((choice < 0)[..., None], float("-inf"))
 
-    def _batch(self, d: int, s: int, width: int) -> ForwardBatch:
-        """Level d's layout for ``s`` requests (padding past this beam's), the KV index ``width``
-        wide: row (b, j) sees request b's prefix, then branch j's slots of levels 1..d (its
-        ancestors, then itself), and writes its K/V to the last; a padding row sees and writes
-        the padding slot alone."""
+    def _kv_index(self, s: int, width: int) -> Tensor:
+        """[S * k, W] the KV index of every level (W >= P + levels), ``s`` requests (padding past
+        this beam's): row (b, j) holds request b's prefix, then branch j's slots of levels
+        1..levels, so that level d, which sees the first kv0 + d columns, sees the prefix, its
+        node's ancestors and the node; a padding row holds the padding slot alone."""
         b, k, p = len(self.request_ids), self.k, self.prefix.shape[1]
         kv = np.zeros((s, k, width), dtype=np.int64)                            # [S, k, W]
         kv[:b, :, :p] = self.prefix[:, None]
-        cols = np.broadcast_to((self.kv0[:, None] + np.arange(d))[:, None], (b, k, d))   # [B, k, d]
-        np.put_along_axis(kv[:b], cols, self.branch_np[:, :d].transpose(0, 2, 1), 2)
+        cols = np.broadcast_to((self.kv0[:, None] + np.arange(self.levels))[:, None], (b, k, self.levels))  # [B, k, L]
+        np.put_along_axis(kv[:b], cols, self.branch_np.transpose(0, 2, 1), 2)
+        if s > b:
+            kv[b:, :, 0] = self._pad_slot()
+        return torch.from_numpy(kv.reshape(s * k, width))
+
+    def _pad_slot(self) -> int:
+        """The padding request's slot: what padding rows read and write."""
+        return int(self.runner.cache.batch_slot_array([PAD_REQUEST], [1])[0, 0])
+
+    def _batch(self, d: int, s: int, kv_index: Tensor) -> ForwardBatch:
+        """Level d's layout for ``s`` requests over ``kv_index`` (``_kv_index``): row (b, j)
+        writes its K/V to branch j's level-d slot; a padding row sees and writes the padding
+        slot alone."""
+        b, k = len(self.request_ids), self.k
         slots = self.branch_np[:, d - 1].reshape(-1)                            # [B * k]
         prefix_lens = np.repeat(self.kv0 + d - 1, k)                            # [B * k]: the path before the node
         positions = np.repeat(self.kv0 - 1 + d, k)                              # the root's position + d
         pad = (s - b) * k
         if pad:
-            slot = int(self.runner.cache.batch_slot_array([PAD_REQUEST], [1])[0, 0])
-            kv[b:, :, 0] = slot
-            slots = np.concatenate([slots, np.full(pad, slot)])
+            slots = np.concatenate([slots, np.full(pad, self._pad_slot())])
             prefix_lens = np.concatenate([prefix_lens, np.zeros(pad, dtype=np.int64)])
             positions = np.concatenate([positions, np.full(pad, d)])           # (run: zeros + d)
         return ForwardBatch(
             request_ids=[r for r in self.request_ids for _ in range(k)] + [PAD_REQUEST] * pad,
             positions=torch.from_numpy(positions), prefix_lens=prefix_lens.tolist(), qo_lens=[1] * (s * k),
-            tree_masks=[None] * (s * k), slot_mapping=torch.from_numpy(slots),
-            kv_index=torch.from_numpy(kv.reshape(s * k, width)))
+            tree_masks=[None] * (s * k), slot_mapping=torch.from_numpy(slots), kv_index=kv_index)

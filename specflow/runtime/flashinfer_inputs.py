@@ -24,9 +24,14 @@ def page_table(cache: PagedKVCache, batch: ForwardBatch) -> tuple[Tensor, Tensor
     ps = cache.page_size
     kv_lens = np.add(batch.prefix_lens, batch.qo_lens)                                 # [B]
     num_pages = -(-kv_lens // ps)                                                      # [B]
-    firsts = batch.kv_index.numpy()[:, ::ps]                                           # [B, max pages] first slot of each page
-    indices = (firsts[np.arange(firsts.shape[1]) < num_pages[:, None]] // ps).astype(np.int32)  # row-major
     indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
+    indices = np.empty(indptr[-1], dtype=np.int32)                                     # row-major
+    firsts = batch.kv_index.numpy()[:, ::ps]                                           # [B, max pages] first slot of each page
+    # row slices: several times faster than one boolean index over [B, max pages]
+    for row, start, end in zip(firsts, indptr[:-1].tolist(), indptr[1:].tolist()):
+        indices[start:end] = row[: end - start]
+    if ps > 1:
+        indices //= ps
     last_page_len = (kv_lens - (num_pages - 1) * ps).astype(np.int32)
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len)
 

@@ -150,10 +150,11 @@ class PagedKVCache:
             row[:n] = self.block_tables[r].pages[:n]
         if ps == 1:  # a slot is its page: rows are zero past kv_len already
             return np.ascontiguousarray(table[:, start:])
-        idx = np.arange(start, max(kv_lens))
-        slots = table[:, idx // ps] * ps + idx % ps                                       # [B, max_kv]
-        slots[idx[None] >= np.array(kv_lens)[:, None]] = 0
-        return np.ascontiguousarray(slots)  # column indexing may leave it Fortran-ordered
+        slots = (table[:, :, None] * ps + np.arange(ps)).reshape(len(table), -1)           # [B, pages * ps]
+        slots = np.ascontiguousarray(slots[:, start : max(kv_lens)])                        # [B, max_kv - start]
+        for row, n in zip(slots, kv_lens):  # (row slices: cheaper than a boolean mask over the batch)
+            row[max(n - start, 0):] = 0
+        return slots
 
     def commit(self, request_ids: list[int], bases: list[int], keeps: list[list[int]]) -> None:
         """For each request, keep the tokens at logical indices ``base + keep[j]`` as ``base + j``
