@@ -190,6 +190,9 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
     def stop_run(request: gr.Request) -> None:
         stop_event(request).set()
 
+    def arm(request: gr.Request) -> None:  # at the click: a Stop pressed while the run waits in the queue holds
+        stop_event(request).clear()
+
     def forget(request: gr.Request) -> None:   # (a closed tab)
         stops.pop(request.session_hash, None)
 
@@ -224,7 +227,6 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
 
         def run(request: gr.Request, prompt_text, temp, p, k, n, seed_value, no_eos, both, *values):
             stop = stop_event(request)
-            stop.clear()
             try:
                 params = SamplingParams(temperature=temp, top_p=p, top_k=-1 if k is None else int(k),
                                         max_tokens=int(n), seed=None if seed_value is None else int(seed_value),
@@ -267,7 +269,8 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
 
         inputs = [prompt, temperature, top_p, top_k, max_tokens, seed, ignore_eos, side_by_side,
                   panel_a.picker, *panel_a.fields, panel_b.picker, *panel_b.fields]
-        generate.click(run, inputs, [status, *out_a.outputs, *out_b.outputs], concurrency_limit=1)
+        generate.click(arm, None, None, queue=False).then(run, inputs, [status, *out_a.outputs, *out_b.outputs],
+                                                          concurrency_limit=1)
         stop_button.click(stop_run, None, None, concurrency_limit=None)
         demo.unload(forget)
     return demo

@@ -135,3 +135,24 @@ def test_stop_in_one_tab_leaves_another_tab_s_run_alone(browser, app_url):
     assert "A: done" in running.locator("#status").inner_text()
     for p in (running, other):
         p.close()
+
+
+def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
+    """A Stop pressed while a run waits behind another tab's holds when it starts (it was cleared
+    as the run started)."""
+    running, queued = browser.new_page(), browser.new_page()
+    for p in (running, queued):
+        p.goto(app_url)
+    running.get_by_text("sampling", exact=True).click()   # (the accordion)
+    running.locator("#max-tokens input[type=number]").fill("512")
+    running.locator("#max-tokens input[type=number]").press("Enter")
+    running.locator("#generate").click()
+    running.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
+    queued.locator("#generate").click()
+    queued.locator("#stop").click()
+    running.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
+    queued.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
+    assert "A: done" in running.locator("#status").inner_text()
+    assert "A: stopped" in queued.locator("#status").inner_text()
+    for p in (running, queued):
+        p.close()
