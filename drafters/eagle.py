@@ -11,6 +11,7 @@ the drafts change, never the verification.
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,17 @@ def load_token_map(path: str | Path, vocab_size: int) -> Tensor:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"token_map {path} does not exist; give a file of hot token ids")
-    if path.suffix in (".pt", ".pth", ".bin"):
-        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
-    elif path.suffix == ".json":
-        ids = torch.tensor(json.loads(path.read_text()))
-    else:
-        ids = torch.tensor([int(t) for t in path.read_text().split()])
+    try:
+        if path.suffix in (".pt", ".pth", ".bin"):
+            ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+        elif path.suffix == ".json":
+            ids = torch.tensor(json.loads(path.read_text()))
+        else:
+            ids = torch.tensor([int(t) for t in path.read_text().split()])
+    except (ValueError, TypeError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise CheckpointError(f"token_map {path} is not a list of token ids: {e}") from None
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:  # (.long() would truncate 1.7 to 1)
+        raise CheckpointError(f"token_map {path} must hold integer token ids, got {str(ids.dtype).removeprefix('torch.')}")
     ids = ids.long().flatten()
     if len(ids) == 0 or len(ids.unique()) != len(ids) or ids.min() < 0 or ids.max() >= vocab_size:
         raise CheckpointError(f"token_map {path} must hold distinct token ids in 0..{vocab_size - 1}, "

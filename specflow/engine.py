@@ -136,6 +136,9 @@ class SpecEngine:
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), the target's vocabulary")
         params.check_vocab(vocab)
+        if params.stop and self.tokenizer is None:  # (stop strings match decoded text)
+            raise ValueError("stop strings need a tokenizer and this target has none; "
+                             "use stop_token_ids instead")
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
@@ -213,6 +216,8 @@ class SpecEngine:
         return [int(t) for t in prompt]
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this target has no tokenizer: its outputs are token ids only")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ----------------------------------------------------------------------------------------

@@ -201,6 +201,19 @@ def test_prompt_errors(engine):
         engine.add_request([1] * 10, SamplingParams(max_tokens=10_000))
 
 
+def test_a_target_without_tokenizer_refuses_text_work_by_name(engine):
+    """Token ids in, token ids out; stop strings (matched on text) would silently never stop, so
+    they are refused, and so is decode (not an AttributeError)."""
+    bare = SpecEngine(engine.model, tokenizer=None)
+    out = bare.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.text is None and out.token_ids == engine.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    with pytest.raises(ValueError, match="stop strings need a tokenizer.*stop_token_ids"):
+        bare.add_request(PROMPTS[0], SamplingParams(max_tokens=4, stop=["\n"]))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.decode([1, 2])
+    assert not bare.has_unfinished()
+
+
 # ---- regressions found in review -------------------------------------------------------------
 
 def test_a_full_drafter_pool_falls_back_to_plain_steps(tiny_target, engine):

@@ -100,6 +100,11 @@ class ModelConfig:
         if missing:
             raise CheckpointError(f"config.json lacks {', '.join(missing)}")
         _check_types(hf)
+        quantization = hf.get("quantization_config")
+        if quantization:  # (its weights need dequantising: scales, packed ints; read as they are they are wrong)
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+            raise NotImplementedError(f"quantized checkpoints are not supported (config.json quantization_config: "
+                                      f"quant_method {method!r}); use the model's unquantized checkpoint")
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not implemented; "
                                       f"Llama-family models use 'silu'")

@@ -49,6 +49,7 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
     """
     state_meta = checkpoint_state(head)                                       # checkpoint names
     expected = {k: tuple(v.shape) for k, v in state_meta.items()}
+    dtypes = {k: v.dtype for k, v in state_meta.items()}
     floating = {k: v.is_floating_point() for k, v in state_meta.items()}
     ignore = ignore or {}
     loaded, problems, unexpected = StackedState(head), [], []
@@ -63,8 +64,11 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
         elif name in expected and floating[name] and not tensor.is_floating_point():
             problems.append(f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the checkpoint; "
                             f"the head's weights are floating point")
+        elif name in expected and not floating[name] and tensor.is_floating_point():  # (d2t, t2d: token ids)
+            problems.append(f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the checkpoint but the "
+                            f"head needs {str(dtypes[name]).removeprefix('torch.')} (token ids, not weights)")
         elif name in expected:
-            loaded.add(name, tensor.to(device=device, dtype=dtype if floating[name] else None))
+            loaded.add(name, tensor.to(device=device, dtype=dtype if floating[name] else dtypes[name]))
             names.add(name)
     missing = sorted(set(expected) - set(state) - set(optional))
     if missing:

@@ -106,8 +106,13 @@ def _generation_eos(path: Path) -> list[int]:
     """Stop tokens of generation_config.json (chat checkpoints list extra ones there, e.g. Llama 3's
     <|eot_id|>)."""
     file = path / "generation_config.json"
-    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = read_json(file).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        return []
+    ids = eos if type(eos) is list else [eos]
+    if not all(type(t) is int and t >= 0 for t in ids):  # (a string "2" would never match a token: no stop)
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str, Tensor]]:
@@ -137,9 +142,13 @@ def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str,
 def read_json(file: Path) -> dict:
     """A checkpoint's JSON file (config.json, a weight index)."""
     try:
-        return json.loads(file.read_text())
+        value = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} must hold a JSON object ({{\"key\": value, ...}}), "
+                              f"not a {type(value).__name__}")
+    return value
 
 
 def read_weights(file: Path, device: str | torch.device) -> Iterator[tuple[str, Tensor]]:
@@ -186,4 +195,13 @@ def load_tokenizer(path: str | Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:  # (transformers: a tokenizer class without its files, a bad file)
+        raise CheckpointError(f"the tokenizer in {path} cannot be loaded: {e}") from None
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):  # (built from a tokenizer_config.json alone)
+        raise CheckpointError(f"the tokenizer in {path} has no vocabulary (only {len(tokenizer)} special "
+                              f"token(s)): its vocabulary file (tokenizer.json, tokenizer.model, vocab.json) is "
+                              f"missing; copy it beside tokenizer_config.json, or remove the tokenizer files "
+                              f"to run on token ids")
+    return tokenizer

@@ -271,6 +271,16 @@ def test_token_map_files(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 1, 99]")
     with pytest.raises(CheckpointError, match="distinct token ids in 0..9"):
         load_token_map(tmp_path / "bad.json", 10)
+    torch.save(torch.tensor([0.5, 1.7]), tmp_path / "float.pt")  # (.long() would make it [0, 1])
+    (tmp_path / "float.json").write_text("[1.5, 2]")
+    for name in ("float.pt", "float.json"):
+        with pytest.raises(CheckpointError, match=f"token_map .*{name} must hold integer token ids, got float32"):
+            load_token_map(tmp_path / name, 10)
+    (tmp_path / "dict.json").write_text('{"ids": [1, 2]}')
+    (tmp_path / "words.txt").write_text("1 2 three")
+    for name in ("dict.json", "words.txt"):
+        with pytest.raises(CheckpointError, match=f"token_map .*{name} is not a list of token ids"):
+            load_token_map(tmp_path / name, 10)
 
 
 @pytest.mark.parametrize("end", ["stop", "abort"])

@@ -139,6 +139,19 @@ def test_integer_weights_are_refused(tmp_path, target):  # (EAGLE-3's integer d2
         load_eagle(write_checkpoint(tmp_path, hf, state, "safetensors"), target)
 
 
+def test_eagle3_token_maps_must_be_integers_and_load_in_their_own_dtype(tmp_path, target):
+    """d2t / t2d are token ids: a float d2t (a float16 one cannot hold ids past 2048 exactly) is
+    refused naming both dtypes; integers of another width load as the head's int64 / bool."""
+    hf = head_hf(target.config, draft_vocab_size=50, eagle_aux_hidden_state_layer_ids=[0, 1, 0])
+    state = eagle3_state(hf, hot=torch.arange(50) * 3)
+    with pytest.raises(CheckpointError, match="d2t is float32 in the checkpoint but the head needs int64"):
+        load_eagle3(write_checkpoint(tmp_path / "f", hf, {**state, "d2t": state["d2t"].float()}, "bin"), target)
+    head = load_eagle3(write_checkpoint(tmp_path / "i", hf, {**state, "d2t": state["d2t"].int(),
+                                                               "t2d": state["t2d"].to(torch.uint8)}, "bin"), target)
+    assert head.d2t.dtype == torch.long and head.t2d.dtype == torch.bool
+    assert torch.equal(head.draft_to_target(torch.arange(50)), torch.arange(50) * 3)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": 32}, "hidden_size is 32 but the target's is 64"),
     ({"vocab_size": 1000}, "vocab_size is 1000 but the target's is 320"),

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
-from specflow.models import CheckpointError, LlamaForCausalLM, ModelConfig, load_model, save_model
+from specflow.models import CheckpointError, LlamaForCausalLM, ModelConfig, load_model, load_tokenizer, save_model
 from specflow.models.llama import checkpoint_state
 from specflow.models.loader import resolve_dtype
 from specflow.runtime.model_runner import ModelRunner
@@ -165,6 +165,42 @@ def test_unreadable_files_are_named(tiny_checkpoint, weights, damage):
     (path / "config.json").write_text("{")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         load_model(path)
+
+
+def test_json_files_that_are_not_objects_are_named(tiny_checkpoint):
+    """config.json, generation_config.json: a list or a mistyped stop token fails naming the file
+    (not an AttributeError, nor a string eos id that never matches a token)."""
+    _, path = tiny_checkpoint("llama")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id must be a token id .* '2'"):
+        load_model(path)
+    (path / "generation_config.json").write_text("[2]")
+    with pytest.raises(CheckpointError, match="generation_config.json must hold a JSON object"):
+        load_model(path)
+    (path / "config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="config.json must hold a JSON object"):
+        load_model(path)
+
+
+def test_quantized_checkpoint_is_refused_naming_its_method(tiny_checkpoint):
+    """(an FP8 checkpoint's weight_scale tensors would be listed as unexpected; without them its
+    weights would load as they are, scaled wrong)"""
+    _, path = tiny_checkpoint("llama")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="quantized checkpoints .* quant_method 'fbgemm_fp8'"):
+        load_model(path)
+
+
+def test_tokenizer_config_without_a_vocabulary_is_named(tiny_checkpoint):
+    """transformers builds an empty tokenizer from a tokenizer_config.json alone (every text then
+    encodes to no tokens): a vocabulary file left behind is named at load time."""
+    _, path = tiny_checkpoint("llama")
+    assert load_tokenizer(path) is None
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizerFast"}))
+    with pytest.raises(CheckpointError, match=r"has no vocabulary \(only 3 special token\(s\)\): .*tokenizer.json"):
+        load_tokenizer(path)
 
 
 def test_unsupported_model_type_names_it_and_the_supported_ones(tiny_checkpoint):
