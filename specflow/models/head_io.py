@@ -74,7 +74,9 @@ def assign_state(head: nn.Module, state: dict[str, Tensor], path: str | Path, *,
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+        hint = (" (q/k/v biases: an EAGLE head that has them says \"qkv_bias\": true in its config.json)"
+                if any(n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for n in unexpected) else "")
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}{hint}")
     if problems:
         raise CheckpointError(f"head checkpoint {path} does not fit (config.json + target): " + "; ".join(problems))
     head.load_state_dict(loaded.state, strict=False, assign=True)

@@ -174,6 +174,9 @@ def test_missing_and_unexpected_tensors_are_listed(tmp_path, target):
         load_eagle(write_checkpoint(tmp_path, hf, state, "bin"), target)
     assert load_eagle(write_checkpoint(tmp_path / "nobias", {**hf, "bias": False}, eagle_state(hf, bias=False),
                                        "bin"), target).fc.bias is None
+    state = {**eagle_state(hf), "layers.0.self_attn.q_proj.bias": torch.zeros(64)}  # (EAGLE heads of Qwen2)
+    with pytest.raises(CheckpointError, match='q_proj.bias .*"qkv_bias": true in its config.json'):
+        load_eagle(write_checkpoint(tmp_path / "qkv", hf, state, "bin"), target)
 
 
 def test_save_writes_the_layout_it_loads(tmp_path, target):
