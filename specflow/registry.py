@@ -13,6 +13,7 @@ component from a validated instance of it.
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
@@ -179,11 +180,31 @@ def load_module(spec: str) -> None:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # (its own import, a syntax error, a duplicate name: named, not a traceback)
+            sys.modules.pop(path.stem, None)   # no half-imported module left to shadow a fixed copy
+            raise RegistryError(f"plugin {spec}: {_import_error(e, path)}") from e
         return
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
-    importlib.import_module(spec)
+    try:
+        importlib.import_module(spec)
+    except Exception as e:
+        raise RegistryError(f"plugin {spec}: {_import_error(e, None)}") from e
+
+
+def _import_error(e: Exception, path: Path | None) -> str:
+    """``Type: message`` of an exception raised importing a plugin, with the plugin's line that
+    raised it (a syntax error names its own)."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, SyntaxError) or isinstance(e, RegistryError) and str(e).startswith("plugin "):
+        return text
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if path is None or Path(f.filename).resolve() == path]
+    if frames and not frames[-1].filename.startswith("<"):
+        text += f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})"
+    return text
 
 
 def _module_file(name: str) -> Path | None:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SUFFIX_DRAFTER = textwrap.dedent('''
     from dataclasses import dataclass
 
@@ -78,6 +80,23 @@ def test_the_cli_loads_plugins_before_the_command(tmp_path):
         sys.exit(main(["list", "--plugin", "no_such_module"]))
         """, cwd=tmp_path)
     assert run.returncode == 2 and "No module named 'no_such_module'" in run.stderr
+
+
+@pytest.mark.parametrize("source,error", [
+    ("import no_such_dependency_xyz\n", "ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
+    ("def f(:\n    pass\n", "SyntaxError: "),
+    ("raise RuntimeError('not configured')\n", "RuntimeError: not configured")])
+def test_a_plugin_that_fails_to_import_is_named_without_a_traceback(tmp_path, capsys, source, error):
+    """A plugin whose own import fails said only "No module named 'X'" (as if X were the plugin),
+    or printed a bare traceback (a syntax error, an exception at import)."""
+    from specflow.cli import main
+
+    plugin = tmp_path / "broken_plugin.py"
+    plugin.write_text(source)
+    assert main(["list", "--plugin", str(plugin)]) == 2
+    err = capsys.readouterr().err
+    assert f"plugin {plugin}: " in err and error in err and "broken_plugin.py, line " in err, err
+    assert "Traceback" not in err and "broken_plugin" not in sys.modules
 
 
 def test_a_plugin_file_named_like_another_module_is_refused_naming_both(tmp_path):

@@ -83,6 +83,11 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
     names = [p.name for p in pipelines]
     if len(set(names)) != len(names) or "baseline" in names:
         raise ConfigError(f"pipelines: names must be unique and not 'baseline', got {names}")
+    if cfg.prompts.per_category is not None and cfg.prompts.per_category < 1:  # (0 would select every question)
+        raise ConfigError(f"prompts.per_category: {cfg.prompts.per_category}; at least 1, or null for every "
+                          "question of each category")
+    if cfg.prompts.categories is not None and not cfg.prompts.categories:
+        raise ConfigError("prompts.categories: an empty list; name the categories to run, or null for all")
     if cfg.prompts.turns < 1 or (cfg.prompts.turns > 1 and not cfg.prompts.chat_template):
         raise ConfigError(f"prompts.turns: {cfg.prompts.turns}; at least 1, and a later turn continues a chat, "
                           "so more than 1 needs prompts.chat_template=true")

@@ -55,7 +55,9 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
     out = []
     for values in itertools.product(*axes.values()):
         p = copy.deepcopy(base)
-        for key, value in zip(axes, values):
+        # a component's type first: a point of another type gets a node of its own, as an override
+        # that switches the type does (config.load_yaml), and the other keys of the grid then go into it
+        for key, value in sorted(zip(axes, values), key=lambda kv: kv[0].rsplit(".", 1)[-1] != "type"):
             section, *path, param = key.split(".")
             node = getattr(p, section)
             for part in path:  # nested keys: drafter.drafters.0.max_window
@@ -66,6 +68,8 @@ def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[Pipeline
                     break
             if not isinstance(node, dict):
                 raise ConfigError(f"--grid {key}: the pipeline has no {'.'.join([section, *path])} node")
+            if param == "type" and node.get("type") not in (None, value):
+                node.clear()
             node[param] = value
         p.name = point_name(axes, values)
         Pipeline.check(p.drafter, p.tree, p.verifier, f"--grid point {p.name}: ")

@@ -407,6 +407,37 @@ def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_
     assert report.count("wrong-vocab") == 1 and report.index("`wrong-vocab`: CheckpointError") > failed
 
 
+@pytest.mark.parametrize("override,message", [
+    ("prompts.per_category=0", "prompts.per_category: 0; at least 1"),     # (ran every question of the suite)
+    ("prompts.per_category=-1", "prompts.per_category: -1; at least 1"),   # (ran none: max() of an empty list)
+    ("prompts.categories=[]", "prompts.categories: an empty list")])        # (ran every category)
+def test_a_prompt_subset_that_selects_nothing_fails_naming_its_key_before_the_target_loads(tmp_path, capsys,
+                                                                                         override, message):
+    path = write_config(tmp_path, "no/such/target", """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_experiment(path, [override])
+    assert main(["run", str(path), override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_grid_over_a_component_s_type_replaces_the_node_as_an_override_does():
+    """``--grid verifier.type=threshold,rejection`` over a threshold verifier with its own keys, or
+    ``--grid tree.type=chain,static`` over a chain with a depth: the other type's point gets a node
+    of its own type, as the override ``pipelines.0.verifier.type=rejection`` gives it, instead of
+    the old type's keys (``unknown key 'threshold_acc'``)."""
+    base = PipelineConfig("p", {"type": "ngram"}, {"type": "chain", "depth": 3},
+                          {"type": "threshold", "threshold_acc": 0.5})
+    points = grid_pipelines(base, parse_grid(["verifier.type=threshold,rejection"]))
+    assert [p.verifier for p in points] == [{"type": "threshold", "threshold_acc": 0.5}, {"type": "rejection"}]
+    points = grid_pipelines(base, parse_grid(["tree.preset=medusa_63", "tree.type=static"]))  # (type first)
+    assert [p.tree for p in points] == [{"type": "static", "preset": "medusa_63"}]
+    assert base.tree == {"type": "chain", "depth": 3} and base.verifier["threshold_acc"] == 0.5
+
+
 def test_question_jsonl_loader():
     if not SPEC_BENCH.exists():
         pytest.skip(f"{SPEC_BENCH} not present")
