@@ -79,6 +79,9 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> tup
             raise ConfigError(f"engine.{key}: an experiment sets it per pipeline (pipelines[].{key})")
     pipelines = [validate(PipelineConfig, p, f"pipelines[{i}]") for i, p in enumerate(cfg.pipelines)]
     for p in pipelines:  # fail on a bad node now, not after the target has loaded and the baseline run
+        defaults = PipelineConfig()  # (a null tree or verifier runs the default: results name it)
+        p.tree = defaults.tree if p.tree is None else p.tree
+        p.verifier = defaults.verifier if p.verifier is None else p.verifier
         Pipeline.check(p.drafter, p.tree, p.verifier, f"pipelines[{p.name}].")
     names = [p.name for p in pipelines]
     if len(set(names)) != len(names) or "baseline" in names:

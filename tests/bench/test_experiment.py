@@ -424,6 +424,16 @@ def test_a_prompt_subset_that_selects_nothing_fails_naming_its_key_before_the_ta
     assert message in capsys.readouterr().err
 
 
+def test_a_null_tree_or_verifier_is_recorded_as_the_default_it_runs(tmp_path):
+    path = write_config(tmp_path, "no/such/target", """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    _, (p,) = load_experiment(path, ["pipelines.0.verifier=null", "pipelines.0.tree=null"])
+    assert (p.tree, p.verifier) == ({"type": "chain"}, {"type": "rejection"})
+
+
 def test_a_grid_over_a_component_s_type_replaces_the_node_as_an_override_does():
     """``--grid verifier.type=threshold,rejection`` over a threshold verifier with its own keys, or
     ``--grid tree.type=chain,static`` over a chain with a depth: the other type's point gets a node
