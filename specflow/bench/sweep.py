@@ -90,6 +90,10 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
         raise ConfigError("sweep: give at least one --grid key=v1,v2,...")
     run_axes = {k: v for k, v in axes.items() if k.partition(".")[0] in RUN_KEYS}
     pipe_axes = {k: v for k, v in axes.items() if k not in run_axes}
+    swept = {*run_axes, *(f"pipelines.0.{k}" for k in pipe_axes)}
+    for override in overrides or []:  # (the grid's value would silently win)
+        if (key := override.partition("=")[0].strip()) in swept:
+            raise ConfigError(f"sweep: {key} is both an override and a --grid key; give it once")
     plan = {}
     for values in itertools.product(*run_axes.values()):
         name = point_name(run_axes, values)

@@ -13,7 +13,7 @@ from specflow.bench.summary import acceptance_by_depth, summarize
 from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
                                               sampling_params)
 from specflow.bench.prompts import load_suite
-from specflow.bench.sweep import grid_pipelines, parse_grid
+from specflow.bench.sweep import grid_pipelines, parse_grid, run_sweep
 from specflow.cli import main
 from specflow.config import ConfigError
 from specflow.engine import SpecEngine
@@ -326,6 +326,19 @@ def test_parse_grid_refuses_a_point_given_twice():
         parse_grid(["tree.depth=3,3.0"])
     with pytest.raises(ConfigError, match="--grid tree.depth is given twice"):
         parse_grid(["tree.depth=3", "tree.depth=5"])
+
+
+@pytest.mark.parametrize("override, grid", [("pipelines.0.tree.depth=4", "tree.depth=3,5"),
+                                            ("sampling.temperature=0.5", "sampling.temperature=0,0.7")])
+def test_a_key_both_overridden_and_swept_is_refused(tmp_path, override, grid):
+    """(the grid's values silently replaced the override's)"""
+    path = write_config(tmp_path, "no/such/target", """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    with pytest.raises(ConfigError, match=f"sweep: {override.partition('=')[0]} is both an override and a --grid key"):
+        run_sweep(path, [grid], [override])
 
 
 def test_grid_keys_reach_nested_nodes():
