@@ -46,8 +46,11 @@ def _number(v: str):
 
 
 def point_name(keys, values) -> str:
-    """A grid point's name: ``tree.topk=4``, ``batch_size=8`` -> ``topk=4,batch_size=8``."""
-    return ",".join(f"{k.split('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+    """A grid point's name: ``tree.topk=4``, ``batch_size=8`` -> ``topk=4,batch_size=8`` (a key
+    keeps its section where another key ends alike: ``tree.type=static,verifier.type=greedy``)."""
+    keys = list(keys)
+    short = [k.split(".", 1)[-1] for k in keys]
+    return ",".join(f"{s if short.count(s) == 1 else k}={v}" for k, s, v in zip(keys, short, values))
 
 
 def grid_pipelines(base: PipelineConfig, axes: dict[str, list]) -> list[PipelineConfig]:

@@ -341,6 +341,12 @@ def test_a_key_both_overridden_and_swept_is_refused(tmp_path, override, grid):
         run_sweep(path, [grid], [override])
 
 
+def test_point_names_keep_the_section_of_keys_that_end_alike():
+    base = PipelineConfig("p", {"type": "ngram"}, {"type": "chain", "depth": 3}, {"type": "greedy"})
+    points = grid_pipelines(base, parse_grid(["tree.type=static", "verifier.type=greedy", "tree.preset=medusa_63"]))
+    assert [p.name for p in points] == ["tree.type=static,verifier.type=greedy,preset=medusa_63"]
+
+
 def test_grid_keys_reach_nested_nodes():
     base = PipelineConfig("u", {"type": "union", "drafters": [{"type": "ngram"}, {"type": "ngram", "scope": "global"}]},
                           {"type": "chain"}, {"type": "greedy"})
