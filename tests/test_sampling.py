@@ -176,3 +176,19 @@ def test_a_rows_probabilities_do_not_depend_on_its_batch_mates():
         mixed = target_probs(logits, SamplingBatch.from_params([SamplingParams(temperature=0.8),
                                                                 SamplingParams(temperature=0.8, top_k=5)], [0, 1]))
         assert torch.equal(alone[0], mixed[0]), seed
+
+
+def test_top_p_and_min_p_at_their_exact_boundaries():
+    """Equal logits give probabilities exact in binary, so the boundaries are met exactly:
+    top_p keeps the smallest prefix whose mass *reaches* top_p (four tokens of 0.25 and top_p 0.5:
+    two, not three), and min_p keeps the tokens *at least* min_p x the top one (min_p 1 keeps the
+    tied top tokens, not none, which would leave no mass and give token 0)."""
+    four = torch.zeros(1, 1, 4)
+    probs = target_probs(four, SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=0.5)], [0]))[0, 0]
+    assert int((probs > 0).sum()) == 2 and sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
+    tied = torch.tensor([[[-1.0, 1.0, 1.0, 0.0]]])
+    top = SamplingBatch.from_params([SamplingParams(temperature=1.0, min_p=1.0)], [0])
+    assert target_probs(tied, top)[0, 0].tolist() == [0.0, 0.5, 0.5, 0.0]
+    draws = {int(next_tokens(tied[:, 0], SamplingBatch.from_params([SamplingParams(temperature=1.0, min_p=1.0)],
+                                                                    [s]))[0]) for s in range(40)}
+    assert draws == {1, 2}

@@ -165,3 +165,27 @@ def test_drafter_expansions_through_graphs_match(drafter, device):
     # catch-ups of uneven lengths (the accepted tokens, then the root), padded
     assert any(size > 1 and n not in (1, 4) for size, n in shapes), shapes
     assert {key[1] for key in graphs.beams} >= {4, 2}  # EAGLE-2's levels after the root: 3 requests padded to 4
+
+
+def test_tree_masked_forwards_of_uneven_sizes_run_eagerly_and_equal_plain(tiny_target):
+    """A drafter expanding frontiers of different sizes per request sends tree masks of different
+    sizes: the graph path cannot pad those (a tree mask covers a request's *last* m tokens, and
+    padding would shift it), so they run eagerly, with the plain forward's outputs and K/V.
+    (run_steps sends every request the same number of tree nodes.)"""
+    plain, graphed = runners(tiny_target, 1)
+    g = torch.Generator().manual_seed(3)
+    vocab, rids = plain.model.config.vocab_size, [0, 1, 2]
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (9, 5, 13)]
+    for runner in (plain, graphed):
+        runner.extend(rids, prompts, logits="none")
+    sizes = [2, NODES, 3]
+    trees = [random_tree(n, g) for n in sizes]
+    tokens = [torch.randint(1, vocab, (n,), generator=g) for n in sizes]
+    positions = [plain.kv_len(r) + depth for r, (_, depth) in zip(rids, trees)]
+    masks = [mask for mask, _ in trees]
+    assert graphed.graphs.tokens_per_request(sizes, masks) is None
+    outs = [runner.extend(rids, tokens, positions=positions, tree_masks=masks) for runner in (plain, graphed)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+    for r in rids:
+        for ours, theirs in zip(cached_kv(graphed, r), cached_kv(plain, r)):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -254,3 +254,27 @@ def test_the_walk_is_the_rule_child_by_child(tree, seed, top_k, temperature, all
         assert verdict.accepted[r, : len(path)].tolist() == path and verdict.accepted[r, len(path):].eq(-1).all()
         assert int(verdict.accept_len[r]) == len(path) - 1
         assert int(verdict.bonus_tokens[r]) == bonus
+
+
+def test_a_residual_without_mass_after_a_rejected_sibling_falls_back_to_the_node_s_target():
+    """The fallback of an empty residual is the node's own p, not the residual left by the
+    siblings rejected before (the rule as ``rule_by_hand`` and the docstring read it). p and q are
+    exact in binary: child 1 (token 2, p/q = 1/2) is rejected by coin 0.9, leaving p' = q' =
+    [.5, .5, 0, 0]; child 2 (token 3, an inconsistent draft: q'(3) = 0) is rejected and
+    max(0, p' - q') = 0, so the bonus is drawn from p = [.375, .375, .25, 0]: draw 0.8 is token 2
+    (from p' it would be token 1)."""
+    p = torch.tensor([0.375, 0.375, 0.25, 0.0])
+    q = torch.tensor([0.25, 0.25, 0.5, 0.0])
+    tree = DraftTree(tokens=torch.tensor([[0, 2, 3]]), parents=torch.tensor([[-1, 0, 0]]),
+                     depth=torch.tensor([[0, 1, 1]]), positions=torch.tensor([[0, 1, 1]]),
+                     scores=torch.ones(1, 3), valid=torch.ones(1, 3, dtype=torch.bool),
+                     sampled=torch.tensor([[False, True, True]]),
+                     draft_probs=torch.stack([q, q, q]).unsqueeze(0)).with_mask()
+    probs = p.expand(1, 3, 4).double()
+    coins = torch.tensor([[0.0, 0.9, 0.9]], dtype=torch.float64)
+    draws = torch.tensor([[0.8, 0.8]], dtype=torch.float64)
+    verdict = RejectionVerifier._walk(tree, probs, coins, draws)
+    assert verdict.accept_len.tolist() == [0]
+    assert verdict.bonus_tokens.tolist() == [2]
+    # the reference agrees
+    assert rule_by_hand(tree, probs.numpy(), coins.numpy(), draws.numpy()) == [([0], 2)]
