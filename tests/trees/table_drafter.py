@@ -94,6 +94,7 @@ def check_built_tree(tree: DraftTree, n: int, roots: Roots, drafter: TableDrafte
     assert tree.mask is not None
     tree.check()  # parents precede children, depth, positions, mask = ancestor sets
     assert torch.equal(tree.tokens[:, 0], roots.tokens) and tree.valid[:, 0].all()
+    assert torch.equal(tree.positions[:, 0], roots.positions)  # (then every node's: check())
     torch.testing.assert_close(tree.scores[:, 0], torch.ones(b))
     pad = ~tree.valid
     pad[:, 0] = False

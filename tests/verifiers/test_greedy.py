@@ -1,4 +1,7 @@
-"""At temperature 0 every verifier must commit exactly the target's greedy walk through the tree."""
+"""At temperature 0 every verifier must commit exactly the target's greedy walk through the tree,
+whatever its batch mates' temperatures."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -106,3 +109,23 @@ def test_greedy_verifier_follows_the_target_draws_when_sampling():
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.5)], [0])
     verdict = GreedyVerifier().verify(tree, logits, sampling)
     assert verdict.accepted.tolist() == [[0, 2, -1]] and verdict.bonus_tokens.tolist() == [0]
+
+
+@pytest.mark.parametrize("node", VERIFIER_NODES, ids=lambda n: "-".join(map(str, n.values())))
+@settings(max_examples=25, deadline=None)
+@given(tree=random_trees(), seed=st.integers(0, 2**16), greedy=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_a_row_s_verdict_does_not_depend_on_its_batch_mates(node, tree, seed, greedy):
+    """Greedy and sampled rows in one batch: each row's verdict is the one it gets verified alone
+    (a batch-wide shortcut taken when *some* row is greedy would walk a sampled row's argmax)."""
+    verifier = build_component(VERIFIERS, node)
+    b, n = tree.tokens.shape
+    logits = torch.randn(b, n, VOCAB, generator=torch.Generator().manual_seed(seed))
+    params = [SamplingParams(temperature=0.0 if g else 0.8) for g in greedy[:b]]
+    seeds = [seed + r for r in range(b)]
+    verdict = verifier.verify(tree, logits, SamplingBatch.from_params(params, seeds))
+    for r in range(b):
+        alone = dataclasses.replace(tree, **{f.name: getattr(tree, f.name)[r:r + 1] for f in dataclasses.fields(tree)
+                                             if isinstance(getattr(tree, f.name), torch.Tensor)})
+        own = verifier.verify(alone, logits[r:r + 1], SamplingBatch.from_params(params[r:r + 1], seeds[r:r + 1]))
+        assert verdict.accepted_nodes(r) == own.accepted_nodes(0)
+        assert int(verdict.bonus_tokens[r]) == int(own.bonus_tokens[0])
