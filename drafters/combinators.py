@@ -98,8 +98,9 @@ class DrafterGroup:
 @DRAFTERS.register("union", config=UnionConfig)
 class UnionDrafter(DrafterGroup):
     """Children proposed by any drafter: deduplicated by token, each with its best log-prob
-    over the drafters, sorted descending and cut to k. With ``want_probs``, q is the average of
-    the children's distributions over the drafters that proposed something for that node.
+    over the drafters, sorted descending and cut to k. With ``want_probs``, q is the sum of the
+    drafters' q rows, normalised: each row weighs its mass, so q is the average over the drafters
+    that proposed something for that node where their rows sum to 1 (every built-in's do).
     """
 
     def expand(self, frontier: Frontier) -> Expansion:
@@ -118,7 +119,7 @@ class UnionDrafter(DrafterGroup):
         probs = None
         if frontier.want_probs:
             mixture = torch.stack([e.probs for e in expansions]).sum(0)  # [B, F, V]
-            # each proposing drafter's row sums to 1, so renormalising averages over them
+            # (a drafter that proposed nothing has a row of zeros: it takes no share)
             probs = mixture / mixture.sum(-1, keepdim=True).clamp(min=1e-30)
         return Expansion(tokens=tokens[..., :frontier.k], logprobs=logprobs[..., :frontier.k],
                          probs=probs)

@@ -57,8 +57,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from specflow.bench.decode import run_decode_bench
 
+    _set_threads(args.threads)
     run_decode_bench(args.target, batch_sizes=args.batch_sizes, max_tokens=args.max_tokens,
-                     prompt_len=args.prompt_len, repeats=args.repeats, threads=args.threads, out=args.out)
+                     prompt_len=args.prompt_len, repeats=args.repeats, out=args.out)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -150,16 +150,19 @@ def load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
-    _plugins_loaded = True
+    _plugins_loaded = True   # (first: a plugin's import may look a component up)
     home = Path(__file__).resolve().parent.parent   # where specflow's built-in packages live
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        module = ep.load()
-        where = Path(getattr(module, "__file__", None) or home).resolve()   # (a package: its __init__.py)
-        if ep.dist is not None and ep.dist.name == "specflow" and where.parent != home / ep.value:
-            _plugins_loaded = False
-            raise RegistryError(f"'{ep.value}' was imported from {where}, which is not specflow's built-in "
-                                f"{ep.value} package (in {home}): a module of that name earlier on sys.path "
-                                f"(e.g. the script's folder or the working directory) shadows it; rename it")
+    try:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            module = ep.load()
+            where = Path(getattr(module, "__file__", None) or home).resolve()   # (a package: its __init__.py)
+            if ep.dist is not None and ep.dist.name == "specflow" and where.parent != home / ep.value:
+                raise RegistryError(f"'{ep.value}' was imported from {where}, which is not specflow's built-in "
+                                    f"{ep.value} package (in {home}): a module of that name earlier on sys.path "
+                                    f"(e.g. the script's folder or the working directory) shadows it; rename it")
+    except BaseException:   # (a shadowed or failing entry point: the next lookup tries them all again)
+        _plugins_loaded = False
+        raise
 
 
 def load_module(spec: str) -> None:

@@ -42,3 +42,10 @@ def test_run_sets_the_torch_threads_it_is_given(tmp_path, capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_refuses_threads_below_one_as_run_does(capsys):
+    """`bench --threads 0` ran with torch's default threads (its check was `if threads:`), while
+    `run` and `sweep` refuse it."""
+    assert main(["bench", "missing-checkpoint", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err

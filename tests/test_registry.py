@@ -247,3 +247,27 @@ def test_a_drafter_is_built_with_the_target_s_tokenizer(tmp_path, tiny_target):
         print(engine.drafter.tokenizer is engine.tokenizer, engine.drafter.tokenizer.encode("def") == engine.encode("def"))
         """, cwd=tmp_path)
     assert run.stdout.split() == ["True", "True"], run.stderr
+
+
+def test_an_entry_point_that_fails_to_load_is_tried_again_not_skipped(monkeypatch):
+    """An entry point whose import raised left the plugins marked loaded: every later lookup then
+    ran without the entry points after it (built-ins included), naming them unknown."""
+    from specflow import registry
+
+    loads = []
+
+    class BrokenOnce:
+        dist, value = None, "my_plugin"
+
+        def load(self):
+            loads.append(self)
+            if len(loads) == 1:
+                raise ImportError("a dependency of my_plugin is missing")
+            return registry
+
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenOnce()])
+    with pytest.raises(ImportError, match="my_plugin"):
+        registry.load_plugins()
+    registry.load_plugins()   # (the dependency installed meanwhile)
+    assert len(loads) == 2

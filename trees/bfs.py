@@ -59,7 +59,7 @@ class BfsBuilder:
         grow = GrowingTree(roots, n)
         count = torch.ones(b, dtype=torch.long, device=dev)        # [B] nodes placed, root included
         frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, F] the previous level
-        for level in range(self.depth if n > 1 else 0):  # N = 1: the root alone
+        for level in range(self.depth):
             k = self.breadth(level)
             tokens, logprobs, sampled = grow.expand(drafter, frontier, k)  # [B, F, k]
             parents = frontier.repeat_interleave(k, dim=1)                 # [B, F * k] BFS order

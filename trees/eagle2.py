@@ -37,9 +37,9 @@ class Eagle2Builder:
     sorted by candidate index so parents precede children. Candidates without a child (-inf) or
     with a NaN score are never kept; when fewer than N - 1 remain the tree is padded.
 
-    A ``BeamDrafter`` (the EAGLE heads) expands the levels after the root itself, with the
-    trees level-by-level expansion would give: the builder's levels then run on the drafter's
-    device as one CUDA graph when graphs are on (specflow.runtime.beam).
+    A ``BeamDrafter`` (the EAGLE heads, the draft model) expands the levels after the root
+    itself, with the trees level-by-level expansion would give: the builder's levels then run on
+    the drafter's device as one CUDA graph when graphs are on (specflow.runtime.beam).
     """
 
     def __init__(self, topk: int = 8, depth: int = 5, num_draft_tokens: int = 32):
@@ -63,9 +63,9 @@ class Eagle2Builder:
     def build(self, drafter: Drafter, roots: Roots) -> DraftTree:
         b, k = roots.batch_size, self.topk
         capacity = 1 + k + (self.depth - 1) * k * k  # every candidate a column
-        # EAGLE heads run the build themselves: the roots, then the levels on their device as
-        # one CUDA graph, with no value read back before the tree
-        # (a BeamDrafter: checked by attribute, as isinstance on a protocol costs a check per member)
+        # a BeamDrafter (the EAGLE heads, the draft model) runs the build itself: the roots, then
+        # the levels on its device as one CUDA graph, with no value read back before the tree
+        # (checked by attribute, as isinstance on a protocol costs a check per member)
         beam = drafter.beam(roots, k, self.depth - 1) if self.depth > 1 and hasattr(drafter, "beam") else None
         if beam is None:
             grow = GrowingTree(roots, capacity)

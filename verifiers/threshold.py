@@ -11,7 +11,7 @@ from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, sample_rows, target_probs
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import accept_path, draft_token_probs
+from verifiers.walk import accept_path, bonus_draws, draft_token_probs
 
 
 @dataclass
@@ -73,5 +73,4 @@ class ThresholdVerifier:
         cut = rows.new_zeros(b, v + 1).scatter_(1, torch.where(kids, tokens, v), 1.0)[:, :v] > 0  # [B, V]
         left = rows.masked_fill(cut, 0.0)
         rows = torch.where(left.sum(-1, keepdim=True) > 0, left, rows)        # no mass left: p itself
-        bonus_u = sampling.draws(tree.depth_bound(), dev).gather(1, accept_len.to(dev).view(-1, 1))[:, 0]  # its position's
-        return Verdict(accepted, accept_len, sample_rows(rows, bonus_u))
+        return Verdict(accepted, accept_len, sample_rows(rows, bonus_draws(tree, accept_len, sampling, dev)))

@@ -11,7 +11,7 @@ from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, next_tokens
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import accept_path, draft_token_probs
+from verifiers.walk import accept_path, bonus_draws, draft_token_probs
 
 
 @dataclass
@@ -58,7 +58,5 @@ class TypicalVerifier:
         accepted, accept_len, last = accept_path(tree, torch.where(greedy.view(b, 1), is_argmax, typical))
         # the bonus reads one row per request: process only those
         last_logits = logits[torch.arange(b, device=logits.device), last.to(logits.device)]  # [B, V]
-        # (the bonus is the token at depth accept_len + 1: drawn with that position's uniform)
-        u = None if bool(greedy.all()) else \
-            sampling.draws(tree.depth_bound(), logits.device).gather(1, accept_len.view(-1, 1).to(logits.device))[:, 0]
+        u = None if bool(greedy.all()) else bonus_draws(tree, accept_len, sampling, logits.device)
         return Verdict(accepted, accept_len, next_tokens(last_logits, sampling, u))

@@ -1,5 +1,6 @@
 """What the verifiers' tree walks share: the walk that takes the first passing child at each depth,
-vectorised over depth on the device, and the target probability of each draft token."""
+vectorised over depth on the device, the target probability of each draft token, and the uniform
+a bonus token is drawn with."""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ def exact_match(tree: DraftTree, target_logits: Tensor, sampling: SamplingBatch)
     probs = target_probs(target_logits, sampling)                                       # [B, N, V], greedy rows one-hot
     depth = tree.depth.to(probs.device)
     return follow(tree, sample_rows(probs, sampling.draws(tree.depth_bound(), probs.device).gather(1, depth)))
+
+
+def bonus_draws(tree: DraftTree, accept_len: Tensor, sampling: SamplingBatch, device: torch.device) -> Tensor:
+    """[B] float64 on ``device``: the uniform each request's bonus token is drawn with, that of the
+    position it takes (depth ``accept_len`` + 1: ``draws(depth_bound)[:, accept_len]``), as plain
+    decoding draws that token."""
+    return sampling.draws(tree.depth_bound(), device).gather(1, accept_len.to(device).view(-1, 1))[:, 0]
 
 
 def draft_token_probs(probs: Tensor, tree: DraftTree) -> Tensor:

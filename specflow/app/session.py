@@ -281,11 +281,13 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
                 if lane.state == "running":
                     lane.advance()
             yield lanes
+        baseline = cached
         if plain and plain[0].state == "done":  # (kept even where every lane failed: it ran to the end)
             baseline = pool.keep_baseline(prompt, params, plain[0])
-            if any(lane.state == "done" for lane in lanes):
-                attach(baseline)
-                yield lanes
+        # (a cached baseline was attached while the lanes ran: again, for the lanes now done)
+        if baseline is not None and any(lane.state == "done" for lane in lanes):
+            attach(baseline)
+            yield lanes
     finally:
         for lane in lanes + plain:
             lane.close()

@@ -12,8 +12,8 @@ from pathlib import Path
 import gradio as gr
 
 from specflow.app.render import render_step
-from specflow.app.session import (NO_DRAFTER, Catalog, EnginePool, Lane, PipelineForm, load_catalog, start_lane,
-                                  stream, tree_param_defaults)
+from specflow.app.session import (MAIN_TREE_PARAMS, NO_DRAFTER, Catalog, EnginePool, Lane, PipelineForm, load_catalog,
+                                  start_lane, stream, tree_param_defaults)
 from specflow.app.stats import RunStats, render_stats
 from specflow.config import ConfigError
 from specflow.registry import DRAFTERS, TREE_BUILDERS, VERIFIERS
@@ -88,7 +88,7 @@ def form_values(form: PipelineForm) -> list:
     """Field values (FORM_FIELDS order); tree numbers the tree type does not use are hidden."""
     declared = tree_param_defaults(form.tree_type)
     return [gr.Number(value=getattr(form, name), visible=name in declared)
-            if name in ("depth", "topk", "num_draft_tokens") else getattr(form, name) for name in FORM_FIELDS]
+            if name in MAIN_TREE_PARAMS else getattr(form, name) for name in FORM_FIELDS]
 
 
 class PipelinePanel:

@@ -27,14 +27,11 @@ def best_times(fns: list, repeats: int) -> list[float]:
 
 
 def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: int = 64,
-                     prompt_len: int = 32, repeats: int = 3, threads: int | None = None,
-                     out: str | None = None) -> list[dict]:
+                     prompt_len: int = 32, repeats: int = 3, out: str | None = None) -> list[dict]:
     """Greedy decoding of ``max_tokens`` tokens per request (EOS ignored) at each batch size,
     best of ``repeats`` runs each, specflow and transformers alternating in one process."""
     from transformers import AutoModelForCausalLM
 
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(0)
     engine = SpecEngine(target, device="cpu", dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

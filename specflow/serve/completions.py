@@ -82,11 +82,12 @@ class OpenAIServing:
         for ids in prompts:
             self.inputs.check_context(ids, max_tokens, "prompt", "max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
-        per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)  # (read, never written:
+        per_choice = self.inputs.params(body, max_tokens, body.logprobs, prompt_logprobs)
         if not body.stream:  # a prompt's first choice scores it for all n (streamed, each needs its own at once)
             for p in per_choice[1:]:   # (copies of the first: nothing to check again)
                 p.prompt_logprobs = None
-        choices = [(ids, params) for ids in prompts for params in per_choice]             # prompts share them)
+        # every prompt's choices share these n SamplingParams: nothing writes them from here on
+        choices = [(ids, params) for ids in prompts for params in per_choice]
         sub = await self._submit(choices, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)

@@ -189,10 +189,11 @@ class EngineLoop:
             finished = self.engine.step()
         except Exception:  # a component failed: fail the requests in flight, keep serving new ones
             log.exception("engine step failed; ending the requests in flight with finish_reason 'error'")
-            for rid, st in list(self._streams.items()):
-                self._abort_engine([rid])
+            failed, self._streams = self._streams, {}
+            for st in failed.values():   # (answered before the aborts, which the same component may fail)
                 self._send(st, Delta(st.index, "", [], None, "error"))
-            self._streams.clear()
+                self.metrics.finished.labels("error").inc()
+            self._abort_engine(list(failed))
             return
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         for out in finished:

@@ -25,7 +25,7 @@ class Metrics:
         self.requests = Counter("specflow_requests", "HTTP responses by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter("specflow_requests_finished",
-                                "engine requests (one per choice) by finish reason: stop, length, abort",
+                                "engine requests (one per choice) by finish reason: stop, length, abort, error",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("specflow_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.cached_prompt_tokens = Counter("specflow_cached_prompt_tokens",

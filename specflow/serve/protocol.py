@@ -131,7 +131,7 @@ class CompletionRequest(SamplingFields):
 
     @property
     def max_new_tokens(self) -> int:
-        return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.max_tokens   # (never None: an explicit null takes the default, _null_is_the_default)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a single text or token-id prompt becomes a list of one)."""

@@ -22,6 +22,9 @@ from specflow.train.data import DataConfig
 
 RECIPES = Registry("recipe", """\
 A training recipe builds a LightningModule and its data, and exports the result.
+  from_config(cfg, **_)           - the recipe from its validated config
+  check(cfg, run)                 - optional staticmethod: a ConfigError for settings only the run can judge
+                                    (data.seq_len, the target's config.json), before anything loads
   setup(run) -> TrainJob          - module, training dataset, validation dataset (or None)
   export(run, state, out)         - write the public checkpoint layout from the module's full state dict""")
 

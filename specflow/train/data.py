@@ -85,7 +85,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     if not files:
         raise FileNotFoundError(f"no files match {cfg.glob!r} under {root}; change data.glob")
     every = cfg.held_out_every
-    held_out = [f for i, f in enumerate(files) if every and i % every == every - 1]
+    held_out = [f for i, f in enumerate(files) if i % every == every - 1]   # (every >= 2: DataConfig)
     train = [f for f in files if f not in held_out]
     if cfg.max_files is not None:
         train = train[: cfg.max_files]
@@ -171,12 +171,14 @@ def generate_continuations(target_path: str | Path, tokens: Tensor, cfg: DataCon
     num = -(-cfg.generated_tokens // per_sample)
     starts = torch.randint(0, len(tokens) - cfg.generate_prompt_len, (num,), generator=g)
     prompts = [tokens[s : s + cfg.generate_prompt_len].tolist() for s in starts.tolist()]
-    params = SamplingParams(temperature=cfg.generate_temperature, max_tokens=cfg.generate_len,
-                            seed=seed, ignore_eos=False)
+    # a seed per continuation: requests of one seed share their uniforms, so one seed for all would
+    # give windows alike the same continuation, and correlate the others'
+    params = [SamplingParams(temperature=cfg.generate_temperature, max_tokens=cfg.generate_len,
+                             seed=seed + j, ignore_eos=False) for j in range(num)]
     out: list[int] = []
     for i in range(0, num, cfg.generate_batch_size):
         batch = prompts[i : i + cfg.generate_batch_size]
-        for prompt, res in zip(batch, engine.generate(batch, params)):
+        for prompt, res in zip(batch, engine.generate(batch, params[i : i + cfg.generate_batch_size])):
             out += sample_text(prompt, res, eos)
     return torch.tensor(out[: cfg.generated_tokens], dtype=torch.long)
 

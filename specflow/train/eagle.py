@@ -25,8 +25,8 @@ from specflow.models.eagle import EagleHead, new_head_config, save_eagle
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import count_params, head_data, target_pass
-from specflow.train.module import TrainModule, frozen, soft_cross_entropy
+from specflow.train.heads import head_data, target_pass
+from specflow.train.module import TrainModule, count_params, frozen, soft_cross_entropy
 
 
 @dataclass

@@ -29,8 +29,8 @@ from specflow.models.eagle3 import Eagle3Head, save_eagle3
 from specflow.models.loader import read_json, resolve_dtype
 from specflow.train.attention import UnrolledAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import count_params, head_data, target_pass
-from specflow.train.module import TrainModule, frozen
+from specflow.train.heads import head_data, target_pass
+from specflow.train.module import TrainModule, count_params, frozen
 
 
 @dataclass

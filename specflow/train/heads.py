@@ -43,7 +43,3 @@ def target_pass(target: LlamaForCausalLM, tokens: Tensor,
     hidden, tapped = causal_forward(target, tokens, taps)
     probs = target.compute_logits(hidden).float().softmax(-1)
     return hidden, probs, tapped
-
-
-def count_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

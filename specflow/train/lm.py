@@ -19,7 +19,7 @@ from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.data import training_chunks
-from specflow.train.module import TrainModule, frozen, soft_cross_entropy
+from specflow.train.module import TrainModule, count_params, frozen, soft_cross_entropy
 
 
 @dataclass
@@ -153,7 +153,7 @@ class LMRecipe:
         train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed)
         model = build_llama(self.cfg.model, len(tokenizer), tokenizer.eos_token_id, run.seed)
         self.model_config = model.config
-        info["params"] = sum(p.numel() for p in model.parameters())
+        info["params"] = count_params(model)
         return TrainJob(CausalLMModule(model, run.optim), train, val, info)
 
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:
@@ -179,7 +179,7 @@ class DistillRecipe:
         train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed)
         model = build_llama(self.cfg.model, teacher.config.vocab_size, tokenizer.eos_token_id, run.seed)
         self.model_config = model.config
-        info["params"] = sum(p.numel() for p in model.parameters())
+        info["params"] = count_params(model)
         return TrainJob(CausalLMModule(model, run.optim, teacher=teacher, alpha=self.cfg.alpha), train, val, info)
 
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:

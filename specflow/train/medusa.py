@@ -21,9 +21,9 @@ from specflow.models import LlamaForCausalLM, load_model
 from specflow.models.loader import resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import count_params, head_data
+from specflow.train.heads import head_data
 from specflow.train.lm import causal_forward
-from specflow.train.module import TrainModule, frozen
+from specflow.train.module import TrainModule, count_params, frozen
 
 
 @dataclass

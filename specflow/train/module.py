@@ -64,6 +64,10 @@ class TrainModule(L.LightningModule):
                       sync_dist=True)
 
 
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def frozen(model: nn.Module) -> nn.Module:
     """``model`` in eval mode with no gradients to its parameters (a target read by a recipe)."""
     return model.requires_grad_(False).eval()

@@ -226,3 +226,17 @@ def test_the_hidden_baseline_lane_is_closed_and_kept_whatever_the_lanes_do(pool,
     assert closed == [lane.name]
     monkeypatch.undo()
     lane.close()
+
+
+def test_a_cached_baseline_still_says_whether_greedy_lanes_match_it(pool):
+    """With plain decoding of the prompt cached, the baseline was attached while the lanes ran, so
+    a greedy lane that finished never got its "same tokens as plain" (it stayed None)."""
+    prompt = "def cached(z):\n"
+    ngram = PipelineConfig("ngram", {"type": "ngram"}, {"type": "chain", "depth": 2}, {"type": "greedy"})
+    for cached in (False, True):
+        assert (pool.cached_baseline(prompt, PARAMS) is not None) == cached
+        lanes = [start_lane(pool, ngram, prompt, PARAMS)]
+        for _ in stream(pool, lanes, prompt, PARAMS, threading.Event()):
+            pass
+        assert lanes[0].state == "done" and lanes[0].stats.speedup > 0
+        assert lanes[0].stats.matches_baseline is True, f"cached baseline: {cached}"

@@ -38,3 +38,31 @@ def test_kv_pages_used_counts_requests_not_the_graphs_padding_nor_the_prefix_cac
     loop._update_gauges()
     assert engine.runner.cache.num_pages_used > 0
     assert loop.metrics.kv_pages_used._value.get() == 0 and loop.metrics.kv_pages_cached._value.get() > 0
+
+
+def test_a_failed_step_answers_every_request_before_it_aborts_them():
+    """The requests of a failed step were aborted before their 'error' deltas were sent: an abort
+    that raised too (the same broken component releasing them) left every client waiting for good.
+    Each gets its delta first, counted as finished with reason 'error'."""
+
+    class BrokenEngine:
+        def step(self):
+            raise RuntimeError("drafter bug")
+
+        def abort(self, request_id):
+            raise RuntimeError("drafter bug, again")
+
+    async def fail() -> list[str | None]:
+        loop = EngineLoop(engine=BrokenEngine(), metrics=Metrics(max_accept_length=8, num_kv_pages=1))
+        subs = [Submission([([1], SamplingParams())]) for _ in range(2)]
+        for rid, sub in enumerate(subs):
+            loop._streams[rid] = _Stream(sub, index=0, hold=0)
+        try:
+            loop._step()
+        except RuntimeError:
+            pass   # (the abort's: the engine thread stops, as before; /health then says so)
+        await asyncio.sleep(0)
+        assert loop.metrics.finished.labels("error")._value.get() == 2
+        return [sub.deltas.get_nowait().finish_reason for sub in subs]
+
+    assert asyncio.run(fail()) == ["error", "error"]

@@ -3,7 +3,7 @@
 import torch
 
 from specflow.request import RequestOutput
-from specflow.train.data import ChunkDataset, DataConfig, load_corpus, sample_text
+from specflow.train.data import ChunkDataset, DataConfig, generate_continuations, load_corpus, sample_text
 
 
 def test_corpus_split_is_deterministic_and_disjoint():
@@ -32,3 +32,22 @@ def test_a_continuation_ends_with_one_eos():
     cut = RequestOutput(1, [5, 6], [7, 8, 9], None, "length", [1, 1, 1])
     assert sample_text([5, 6], stopped, eos=2) == [5, 6, 7, 2]
     assert sample_text([5, 6], cut, eos=2) == [5, 6, 7, 8, 9, 2]
+
+
+def test_sampled_continuations_of_one_window_differ(tiny_target):
+    """Every continuation was sampled with the same seed: requests of one seed share their
+    uniforms, so windows alike (here all of them) got the very same continuation, and any two
+    windows got correlated ones."""
+    from specflow.models import load_tokenizer
+
+    cfg = DataConfig(generated_tokens=6 * 11, generate_prompt_len=2, generate_len=8, generate_temperature=1.0,
+                     generate_batch_size=4)
+    out = generate_continuations(tiny_target, torch.full((40,), 7), cfg, seed=0, device="cpu").tolist()
+    eos = load_tokenizer(tiny_target).eos_token_id
+    samples, sample = [], []
+    for t in out:   # each sample: the window, its continuation, one EOS (the stream's last may be cut)
+        sample.append(t)
+        if t == eos:
+            samples.append(tuple(sample))
+            sample = []
+    assert len(samples) >= 4 and len(set(samples)) > 1, samples
