@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from specflow.request import RequestOutput
 from specflow.logprobs import TokenLogprob
 from specflow.sampling import SamplingParams
-from specflow.serve.engine_loop import Delta, EngineLoop, Submission
+from specflow.serve.engine_loop import Delta, EngineLoop, EngineNotRunning, Submission
 from specflow.serve.inputs import ApiError, RequestInputs
 from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from specflow.serve.responses import (
@@ -186,6 +186,11 @@ class OpenAIServing:
             return await self.loop.submit(choices)
         except ValueError as e:   # the engine's own check: context length, KV cache size, vocabulary
             raise ApiError(400, str(e), param=param) from None
+        except EngineNotRunning:
+            raise
+        except Exception:   # (logged by the engine thread, which serves the other requests on)
+            raise ApiError(500, "the engine failed to add the request; see the server log",
+                           type="server_error") from None
 
     # ----------------------------------------------------------------------------------------
     # responses out

@@ -157,7 +157,9 @@ class EngineLoop:
         try:
             for prompt, params in sub.choices:
                 sub.request_ids.append(self.engine.add_request(prompt, params))
-        except ValueError as e:
+        except Exception as e:  # a ValueError: the request's fault (a 400); else the engine's, and it carries on
+            if not isinstance(e, ValueError):
+                log.exception("adding a request failed")
             self._abort_engine(sub.request_ids)
             sub.added.set_exception(e)
             return

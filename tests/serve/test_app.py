@@ -226,6 +226,27 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(chat_target, monkeypatch)
     assert not any(on_loop for _, on_loop in calls), calls
 
 
+def test_a_request_the_engine_fails_to_add_is_a_500_and_the_next_is_served(chat_target, monkeypatch):
+    """An exception other than the engine's ValueError (a component's bug while adding) killed the
+    engine thread and left the handler waiting for good."""
+    engine = SpecEngine(chat_target)
+    add_request, calls = engine.add_request, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a drafter's bug")
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", fails_once)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    with TestClient(build_app(engine, MODEL)) as client:
+        failed = client.post("/v1/completions", json=body)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert "failed to add the request" in failed.json()["error"]["message"]
+        assert client.post("/v1/completions", json=body).status_code == 200
+
+
 def test_sampling_params_are_checked_once_per_request(chat_target, monkeypatch):
     """A request's SamplingParams are built and checked once on the event loop, whatever its n and
     its number of prompts (each choice a copy with its own seed), and stop_token_ids arrive each
