@@ -54,9 +54,9 @@ class SpecEngine:
                  spec_max_batch_size: int | None = None, max_prefill_tokens: int | None = 16384,
                  prefix_caching: bool = False, cuda_graphs: bool | None = None, record_steps: bool = False,
                  check_drafts: bool = False):
-        tree, verifier = Pipeline.check(  # before the target loads (minutes for an 8B)
-            drafter, tree if tree is not None else {"type": "chain"},
-            verifier if verifier is not None else {"type": "rejection"})
+        tree = tree if tree is not None else {"type": "chain"}
+        verifier = verifier if verifier is not None else {"type": "rejection"}
+        Pipeline.check(drafter, tree, verifier)  # before the target loads (minutes for an 8B)
         check_runtime(backend, page_size, kv_cache_tokens, max_batch_size, spec_max_batch_size,
                       max_prefill_tokens)
         if isinstance(target, LlamaForCausalLM):  # an already loaded target, shared between engines
@@ -85,7 +85,7 @@ class SpecEngine:
         self.verifier = self.pipeline.verifier
         # a drafter that learns across requests salts coin walks apart per request (SamplingBatch.coin_walk)
         self._salted = bool(getattr(self.drafter, "learns_across_requests", False))
-        num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter else 1
+        num_draft_tokens = self.tree_builder.num_draft_tokens if self.drafter is not None else 1
         if cuda_graphs:
             self.runner.enable_graphs(max_batch_size, num_draft_tokens)
         self.scheduler = Scheduler(self.runner.cache, max_batch_size, num_draft_tokens, max_prefill_tokens)
@@ -174,32 +174,39 @@ class SpecEngine:
         """Generate for every prompt with continuous batching; outputs in prompt order.
 
         Requests added earlier with ``add_request`` keep running alongside; their outputs are
-        handed back by the next ``step()`` call, never dropped.
+        handed back by the next ``step()`` call, never dropped. A call that raises (a refused
+        prompt, an interrupt) aborts the requests it added.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        pending = set(ids)
-        outputs: dict[int, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+        ids, outputs = [], {}
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+            pending = set(ids)
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while pending:
-            for out in self.step():
-                if out.request_id not in pending:
-                    self._unclaimed.append(out)
-                    continue
-                pending.discard(out.request_id)
-                outputs[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar = tqdm(total=len(ids), desc="generate", unit="req")
+            while pending:
+                for out in self.step():
+                    if out.request_id not in pending:
+                        self._unclaimed.append(out)
+                        continue
+                    pending.discard(out.request_id)
+                    outputs[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:  # (no caller would claim them: they would run on, their outputs unreturned)
+            for i in ids:
+                self.abort(i)
+            raise
         return [outputs[i] for i in ids]
 
     def synchronize(self) -> None:
@@ -268,31 +275,26 @@ class SpecEngine:
             req.finish_reason = "length"
             return [self._finish(req)]
         self.scheduler.preempt()
-        self._release_kv(req)
-        self._release_drafter(req)
-        self._adjustments.release(req.id)  # (made again from its history when it resumes)
+        self._release(req)  # (its adjustments' rows are made again from its history when it resumes)
         if not req.output_ids and req.prompt_logprobs is not None:  # (recomputed with its prefill)
             req.prompt_logprobs.clear()
         return []
 
-    def _release_drafter(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
+        """Free what a request holds beside its scheduler entry: KV pages (with prefix caching, full
+        pages of committed tokens stay cached first), drafter state and features, adjustments' rows."""
+        if self.runner.cache.prefix is not None:
+            self.runner.cache.insert(req.id, req.seq)
+        self.runner.release([req.id])
         if self._feed is not None:
             self._feed.release(req.id)
         if req.id in self._drafting:
             self._drafting.discard(req.id)
             self.drafter.release([req.id])
-
-    def _release_kv(self, req: Request) -> None:
-        """Free a request's KV pages; with prefix caching its full pages of committed tokens stay
-        cached first."""
-        if self.runner.cache.prefix is not None:
-            self.runner.cache.insert(req.id, req.seq)
-        self.runner.release([req.id])
+        self._adjustments.release(req.id)
 
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req)
-        self._release_kv(req)
-        self._release_drafter(req)
-        self._adjustments.release(req.id)
+        self._release(req)
         self._requests.pop(req.id, None)
         return req.output()

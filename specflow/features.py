@@ -62,9 +62,7 @@ class FeatureFeed:
         lie (logical indices ``base ..``)."""
         if self.cache is None:
             return
-        flat = torch.from_numpy(np.fromiter((i for rw in rows for i in rw), dtype=np.int64))
-        self.cache.write([r.id for r in reqs], bases, [len(rw) for rw in rows],
-                         self.rows(out, to_device([flat], out.hidden.device)[0]))
+        self.cache.write([r.id for r in reqs], bases, [len(rw) for rw in rows], self.rows(out, _flat(rows, out)))
 
     def release(self, request_id: int) -> None:
         self.held.pop(request_id, None)
@@ -80,10 +78,9 @@ class FeatureFeed:
         positions = torch.from_numpy(np.concatenate([np.arange(req.seq_len - n, req.seq_len - 1)
                                                      for req, n in zip(reqs, num_new)]))
         hidden = taps = None
-        if self.reads:
-            flat, = to_device([torch.tensor([i for rw in rows for i in rw], dtype=torch.long)],  # one gather each
-                              out.hidden.device)
-            hidden, taps = (None if x is None else list(x.split([len(rw) for rw in rows])) for x in self.rows(out, flat))
+        if self.reads:  # (one gather each)
+            hidden, taps = (None if x is None else list(x.split([len(rw) for rw in rows]))
+                            for x in self.rows(out, _flat(rows, out)))
         for i, req in enumerate(reqs):
             pieces = self.held.pop(req.id, []) if begin else []
             for k, x in enumerate((hidden, taps)):
@@ -92,3 +89,9 @@ class FeatureFeed:
         return TargetFeatures(
             request_ids=[r.id for r in reqs], tokens=list(tokens.split(lens)), positions=list(positions.split(lens)),
             next_tokens=[r.seq[-1] for r in reqs], hidden=hidden, taps=taps, contexts=[r.seq for r in reqs])
+
+
+def _flat(rows: list[list[int]], out: ExtendOutput) -> Tensor:
+    """[sum of lengths] int64 on ``out``'s device: the flat rows of ``out`` of every request."""
+    flat = torch.from_numpy(np.fromiter((i for rw in rows for i in rw), dtype=np.int64))
+    return to_device([flat], out.hidden.device)[0]

@@ -65,7 +65,9 @@ def engine_config_from_yaml(path: str | Path, overrides: list[str] | None = None
         raise ConfigError(f"{path} is an experiment: pass pipeline= one of {', '.join(names)}, baseline "
                           f"(its drafter, tree and verifier join the engine section)")
     node = OmegaConf.to_container(cfg.engine, resolve=True)
-    if pipeline not in (None, "baseline"):
+    if pipeline == "baseline":  # (whatever drafter an override gave the engine section)
+        node["drafter"] = None
+    elif pipeline is not None:
         if pipeline not in names:
             raise ConfigError(f"pipeline: '{pipeline}' is not one of {', '.join(names)}, baseline")
         chosen = OmegaConf.to_container(cfg.pipelines[names.index(pipeline)], resolve=True)
@@ -133,20 +135,20 @@ class Pipeline:
                         built_verifier)
 
     @staticmethod
-    def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> tuple[Any, Any]:
+    def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> None:
         """Fail on a bad config node before anything loads: every key and type, the tree's and the
-        verifier's values (built with no context: it costs nothing), and the drafter's files. Returns the
-        tree and verifier built (for ``from_config``); components already built pass unchecked."""
-        built = []
+        verifier's values (built with no context and dropped: it costs nothing; ``from_config``
+        builds them again with the engine's), and the drafter's files. Components already built
+        pass unchecked."""
         for registry, node, key in ((TREE_BUILDERS, tree, "tree"), (VERIFIERS, verifier, "verifier")):
             try:
-                built.append(_build(registry, node, where + key, {}) if node is not None else None)
+                if node is not None:
+                    _build(registry, node, where + key, {})
             except ConfigError:
                 raise
             except ValueError as e:  # a value the component refuses
                 raise ConfigError(f"{where}{key}: {e}") from None
         _check_drafter(drafter, where + "drafter")
-        return built[0], built[1]
 
     def check_tree(self, tree: DraftTree, roots: Roots, vocab_size: int, full: bool = False) -> None:
         """Refuse a drafted tree, naming the drafter and tree builder: a tree without its mask, of

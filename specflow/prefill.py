@@ -24,7 +24,7 @@ class Prefill:
 
     def step(self, chunks: list[Chunk]) -> list[RequestOutput]:
         """Compute the K/V of this step's chunks of each admitted request's prefill input (a new
-        request's prompt, a resumed one's sequence but its root, the first root).
+        request's prompt; a resumed one's sequence but its root).
 
         A request whose last chunk is among them is ready: a new one samples its first token from
         the prompt's last logits (a resumed one already has it), and the drafter begins it with
@@ -34,7 +34,7 @@ class Prefill:
             return []
         engine = self.engine
         reqs = [c.req for c in chunks]
-        needs = engine.drafter.needs if engine.drafter else None
+        needs = engine.drafter.needs if engine.drafter is not None else None
         try:
             out = engine.runner.extend([r.id for r in reqs], [r.prefill_ids[c.start:c.end] for r, c in zip(reqs, chunks)],
                                        logits="last", taps=needs.layer_taps if needs else ())

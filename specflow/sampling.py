@@ -167,10 +167,6 @@ class SamplingBatch:
     def greedy(self) -> Tensor:
         return self.temperature == 0
 
-    def select(self, rows: list[int]) -> "SamplingBatch":
-        return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                             self.min_p[rows], self.seeds[rows], self.positions[rows], self.salts[rows])
-
     def draws(self, depth: int, device: torch.device) -> Tensor:
         """[B, depth + 1] float64: row b's uniform for the target's own draw of the token at
         position ``positions[b] + d``. Keyed by the position alone, so a token is drawn with

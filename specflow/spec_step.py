@@ -161,7 +161,7 @@ class SpeculativeDecoding:
         ``verdict`` is on the host, ``tokens`` are the tree's and ``tried`` each row's
         ``tried_depth``."""
         engine = self.engine
-        finished, live, logprobs = [], [], []
+        live, logprobs = [], []
         paths, lengths, bonus = verdict.accepted.tolist(), verdict.accept_len.tolist(), verdict.bonus_tokens.tolist()
         records = tree.to_json() if engine.record_steps else None
         accepted_paths = [path[: n + 1] for path, n in zip(paths, lengths)]

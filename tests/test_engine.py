@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from specflow import SamplingParams, SpecEngine
 from specflow.config import ConfigError
 from specflow.pipeline import EngineConfig
-from specflow.registry import VERIFIERS
+from specflow.registry import TREE_BUILDERS, VERIFIERS
 from specflow.tree import Expansion, Frontier
 from tests.stateless import StatelessDrafter
 from tests.test_chunked_prefill import prefill_sizes
@@ -117,6 +117,73 @@ def test_a_prefill_bound_spreads_prompts_over_steps_in_chunks_without_changing_r
     assert prefilled == [10, 10, 10, 10, 10, 2]
 
 
+def test_a_generate_that_raises_leaves_none_of_its_requests_behind(engine, monkeypatch):
+    """A refused prompt after accepted ones, or an interrupt between steps: the requests the call
+    added are aborted (nobody would claim them; they ran on in later calls, their outputs piling
+    up unreturned), while a request added before with add_request keeps running."""
+    before = engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.generate([PROMPTS[1], []], GREEDY)
+    assert [r.id for r in engine.scheduler.waiting] == [before]
+    step, steps = engine.step, []
+
+    def interrupted():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS[1:], GREEDY)
+    monkeypatch.undo()
+    assert [r.id for r in engine.scheduler.running + list(engine.scheduler.waiting)] == [before]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [before] and engine.runner.cache.num_pages_used == 0
+
+
+def test_tree_builders_and_verifiers_get_the_engine_s_context(tiny_target, monkeypatch):
+    """The registry's contract: a tree builder's and a verifier's from_config get the context a
+    drafter's does (they were built once with none, when the config was checked)."""
+    seen = {}
+
+    def recording(name, build):
+        def from_config(cls, cfg, **ctx):
+            seen[name] = ctx
+            return build(cls, cfg, **ctx)
+        return classmethod(from_config)
+
+    for registry, name in ((TREE_BUILDERS, "chain"), (VERIFIERS, "greedy")):
+        cls = registry.get(name)[0]
+        monkeypatch.setattr(cls, "from_config", recording(name, cls.from_config.__func__))
+    SpecEngine(tiny_target, {"type": "ngram"}, {"type": "chain"}, {"type": "greedy"}, device="cpu", dtype="float32")
+    assert set(seen) == {"chain", "greedy"}
+    for ctx in seen.values():
+        assert ctx["vocab_size"] == 320 and ctx["device"] == torch.device("cpu") and "target" in ctx
+
+
+class EmptyDrafter(StatelessDrafter):
+    """Drafts nothing and says so with ``len``: an object that is falsy, and still a drafter."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        return Expansion(torch.zeros(b, f, frontier.k, dtype=torch.long), torch.full((b, f, frontier.k), -torch.inf))
+
+
+def test_a_falsy_drafter_is_a_drafter(tiny_target):
+    """The scheduler keeps room for trees of a drafter whose ``len`` is 0 (it was taken for no
+    drafter: admission made room for the root alone)."""
+    e = SpecEngine(tiny_target, EmptyDrafter(), {"type": "chain", "depth": 3}, {"type": "greedy"},
+                   device="cpu", dtype="float32")
+    assert e.scheduler.num_draft_tokens == 4
+    assert [len(o.token_ids) for o in e.generate(PROMPTS, GREEDY)] == [24] * 3
+
+
 def test_from_config_uses_components_already_built_as_they_are(tiny_target):
     verifier = VERIFIERS.get("greedy")[0].from_config(VERIFIERS.get("greedy")[1]())
     engine = SpecEngine.from_config(EngineConfig(target=str(tiny_target), drafter={"type": "ngram"},
@@ -150,6 +217,15 @@ def test_an_experiment_yaml_builds_the_pipeline_it_names():
     assert SpecEngine.from_yaml(quickstart, pipeline="baseline").drafter is None
     with pytest.raises(ConfigError, match="has no pipelines"):
         SpecEngine.from_yaml(ROOT / "configs" / "serve.yaml", pipeline="baseline")
+
+
+def test_an_experiment_s_baseline_is_plain_decoding_whatever_the_engine_section_says():
+    """An override cannot turn an experiment's baseline speculative: pipeline="baseline" is plain
+    decoding, as an experiment's run measures it."""
+    from specflow.pipeline import engine_config_from_yaml
+
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    assert engine_config_from_yaml(quickstart, ["engine.drafter={type: ngram}"], "baseline").drafter is None
 
 
 @pytest.mark.parametrize("drafter", [{"type": "ngram", "scope": "global"}, {"type": "ngram"}, "draft_model"])
@@ -313,7 +389,7 @@ def test_backend_choices(tiny_target):
     assert type(SpecEngine(tiny_target, device="cpu").runner.attn).__name__ == "TorchBackend"  # auto on a CPU
 
 
-# ---- plain decoding runs one step ahead of the host (SpecEngine._decode) --------------------
+# ---- plain decoding runs one step ahead of the host (specflow.overlap) ---------------------
 
 def test_decoding_ahead_wastes_a_row_only_after_a_stop(engine, monkeypatch):
     """In one batch, a request stops on a stop token, one reaches max_tokens and one is aborted

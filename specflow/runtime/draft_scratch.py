@@ -17,8 +17,8 @@ from torch import Tensor
 class Scratch:
     """The tree nodes every request fed in its current build, in feeding order. A request owns a
     slot s: ``size[s]`` entries, entry 0 its root (``size[s] == 0`` between builds). Arrays grow,
-    never shrink; ``start`` and ``feed`` work on the whole batch at once (``path`` and ``clear``
-    serve one request's commit). ``visible`` is slots x S x S for the largest build S so far
+    never shrink; ``start``, ``feed`` and ``clear`` work on the whole batch at once (``path``
+    serves one request's commit). ``visible`` is slots x S x S for the largest build S so far
     (1 MB for 64 requests at S = 128)."""
 
     def __init__(self, slots: int = 8, entries: int = 64, nodes: int = 512):

@@ -44,7 +44,7 @@ device, as ``plan`` would (``_write_mask``): ``plan``'s own packing waits for th
 blocking copy of its indptr, then ``.item()``), and so does its copy of host page indices into
 a graph's buffer (once), so the indices go to the device first; the spec_step bench counts what
 still waits. Which wrapper a graph gets is fixed at its first plan; a decode graph cannot serve
-a later batch that needs a mask, so graphs are best keyed on ``uses_decode_kernel`` too.
+a later batch that needs a mask, so ``graph_key`` is ``uses_decode_kernel``.
 """
 
 from __future__ import annotations

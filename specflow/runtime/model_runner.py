@@ -78,7 +78,6 @@ class ModelRunner:
         param = next(model.parameters())
         self.model = model
         self.device = param.device
-        self.dtype = param.dtype
         self.cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   num_pages, page_size, dtype=param.dtype, device=param.device,
                                   prefix_caching=prefix_caching)
@@ -108,7 +107,8 @@ class ModelRunner:
         one [B, N] tensor (N tokens each; on the model's device, no value of it is read on the
         host, bar positions under a sliding window). ``positions`` default to consecutive
         positions after the cached prefix; tree verification passes depth-based positions and
-        ``tree_masks`` ([q, q] ancestor masks). ``inputs`` are extra per-token model inputs,
+        ``tree_masks`` ([q, m >= q] bool over each request's last m tokens, ForwardBatch; None:
+        causal). ``inputs`` are extra per-token model inputs,
         token-flat ``[T, ...]`` in the order of ``token_ids`` (e.g. EAGLE's ``features``), passed
         to the model as keyword arguments.
         """
@@ -160,8 +160,8 @@ class ModelRunner:
         return None
 
     def commit(self, request_ids: list[int], bases: list[int], keeps: list[list[int]]) -> None:
-        """Keep each request's K/V of tree nodes ``keep`` (offsets from logical index ``base``),
-        root first (PagedKVCache.commit)."""
+        """Keep each request's K/V of the tree nodes in its entry of ``keeps`` (offsets from its
+        logical index in ``bases``), root first (PagedKVCache.commit)."""
         self.cache.commit(request_ids, bases, keeps)
 
     def release(self, request_ids: list[int]) -> None:
