@@ -9,6 +9,8 @@ import itertools
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from specflow.bench.experiment import RESULT_FILES, execute
 from specflow.bench.experiment_config import PipelineConfig, load_experiment
 from specflow.config import ConfigError
@@ -30,19 +32,15 @@ def parse_grid(grid: list[str]) -> dict[str, list]:
                               f"sampling. or engine. keys, or batch_size)")
         if key in axes:
             raise ConfigError(f"--grid {key} is given twice; list its values once: {key}=v1,v2,...")
-        axes[key] = [_number(v) for v in values.split(",")]
+        axes[key] = [_value(v) for v in values.split(",")]
         if len(set(axes[key])) != len(axes[key]):
             raise ConfigError(f"--grid {key}: a value is repeated in '{values}'; each point is run once")
     return axes
 
 
-def _number(v: str):
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
+def _value(v: str):
+    """A grid value read as an override's is (YAML: 4, 0.5, 1e-3, true, null, text)."""
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={v}"]))["v"]
 
 
 def point_name(keys, values) -> str:
@@ -100,7 +98,7 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
     plan = {}
     for values in itertools.product(*run_axes.values()):
         name = point_name(run_axes, values)
-        point = [f"{k}={v}" for k, v in zip(run_axes, values)]  # overrides after the command line's
+        point = [f"{k}={json.dumps(v)}" for k, v in zip(run_axes, values)]  # overrides after the command line's
         try:
             cfg, pipelines = load_experiment(path, [*(overrides or []), *point])
         except ConfigError as e:

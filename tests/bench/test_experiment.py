@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from specflow.bench.experiment import context_cuts, run_pipeline, warmup_batch_sizes
 from specflow.bench.summary import acceptance_by_depth, summarize
@@ -320,12 +321,28 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
     assert (out / "results.md").exists() and not (out / "sweep.md").exists()
 
 
+def test_a_run_point_of_null_reaches_the_engine_as_null(tmp_path, tiny_target):
+    """(a run point became the override text ``engine.spec_max_batch_size=None``: the string 'None')"""
+    path = write_config(tmp_path, tiny_target, """
+  - name: chain
+    drafter: {type: ngram}
+    tree: {type: chain, depth: 2}
+    verifier: {type: greedy}""")
+    run_sweep(path, ["engine.spec_max_batch_size=null,0", "sampling.max_tokens=2"])
+    out = tmp_path / "runs" / "tiny-sweep"
+    configs = [yaml.safe_load((out / f"spec_max_batch_size={v},max_tokens=2" / "config.yaml").read_text()) for v in ("None", 0)]
+    assert [c["engine"]["spec_max_batch_size"] for c in configs] == [None, 0]
+
+
 def test_parse_grid_refuses_a_point_given_twice():
     assert parse_grid(["tree.depth=3,5", "drafter.max_window=2"]) == {"tree.depth": [3, 5], "drafter.max_window": [2]}
     with pytest.raises(ConfigError, match="--grid tree.depth: a value is repeated in '3,3.0'"):
         parse_grid(["tree.depth=3,3.0"])
     with pytest.raises(ConfigError, match="--grid tree.depth is given twice"):
         parse_grid(["tree.depth=3", "tree.depth=5"])
+    # values read as overrides' are: booleans and null are not text
+    assert parse_grid(["tree.sample=true,false", "engine.spec_max_batch_size=null,4", "sampling.min_p=1e-3,0.5"]) == {
+        "tree.sample": [True, False], "engine.spec_max_batch_size": [None, 4], "sampling.min_p": [0.001, 0.5]}
 
 
 @pytest.mark.parametrize("override, grid", [("pipelines.0.tree.depth=4", "tree.depth=3,5"),
