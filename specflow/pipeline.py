@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,12 +139,19 @@ class Pipeline:
     def check(drafter: Any, tree: Any, verifier: Any, where: str = "") -> None:
         """Fail on a bad config node before anything loads: every key and type, the tree's and the
         verifier's values (built with no context and dropped: it costs nothing; ``from_config``
-        builds them again with the engine's), and the drafter's files. Components already built
-        pass unchecked."""
+        builds them again with the engine's; one whose ``from_config`` requires a context
+        argument gets its keys and types checked alone), and the drafter's files. Components
+        already built are checked against their contract alone."""
         for registry, node, key in ((TREE_BUILDERS, tree, "tree"), (VERIFIERS, verifier, "verifier")):
+            if node is None:
+                continue
+            if not isinstance(node, (str, dict, DictConfig)):  # already built
+                registry.check_built(node, where + key)
+                continue
             try:
-                if node is not None:
-                    _build(registry, node, where + key, {})
+                cls, cfg = component_config(registry, node, where + key)
+                if not _needs_context(cls):
+                    registry.check_built(cls.from_config(cfg), where + key)
             except ConfigError:
                 raise
             except ValueError as e:  # a value the component refuses
@@ -255,6 +263,12 @@ def _check_drafter(node: Any, where: str) -> None:
             raise ConfigError(f"{where}.{name}: {value} does not exist")
     for i, child in enumerate(getattr(cfg, "drafters", None) or []):  # union / fallback
         _check_drafter(child, f"{where}.drafters[{i}]")
+
+
+def _needs_context(cls: type) -> bool:
+    """Whether ``cls.from_config`` requires an argument past its config (one of the context's)."""
+    params = list(inspect.signature(cls.from_config).parameters.values())[1:]
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
 def _build(registry, node: Any, where: str, ctx: dict) -> Any:

@@ -271,3 +271,46 @@ def test_an_entry_point_that_fails_to_load_is_tried_again_not_skipped(monkeypatc
         registry.load_plugins()
     registry.load_plugins()   # (the dependency installed meanwhile)
     assert len(loads) == 2
+
+
+def test_a_verifier_whose_from_config_requires_the_context_is_checked_then_built_with_it(tmp_path, tiny_target):
+    """The config check, before the target loads, has no context to give: a verifier that requires
+    one (``vocab_size``) got a TypeError there; its keys are checked alone, and the engine builds it."""
+    (tmp_path / "ctx_verifier.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        from specflow.registry import VERIFIERS
+        from verifiers.walk import exact_match
+
+        @dataclass
+        class CtxConfig:
+            pass
+
+        @VERIFIERS.register("needs_vocab", config=CtxConfig)
+        class NeedsVocab:
+            lossless = True
+
+            def __init__(self, vocab_size):
+                self.vocab_size = vocab_size
+
+            @classmethod
+            def from_config(cls, cfg, *, vocab_size, **_):
+                return cls(vocab_size)
+
+            def verify(self, tree, target_logits, sampling):
+                return exact_match(tree, target_logits, sampling)
+        '''))
+    run = python(f"""
+        from specflow import SpecEngine
+        from specflow.config import ConfigError
+        from specflow.registry import load_module
+        load_module("ctx_verifier.py")
+        engine = SpecEngine({str(tiny_target)!r}, {{"type": "ngram"}}, {{"type": "chain"}}, {{"type": "needs_vocab"}},
+                            device="cpu", dtype="float32")
+        print(engine.verifier.vocab_size)
+        try:
+            SpecEngine({str(tiny_target)!r}, {{"type": "ngram"}}, {{"type": "chain"}},
+                       {{"type": "needs_vocab", "nope": 1}}, device="cpu", dtype="float32")
+        except ConfigError as e:
+            print("ConfigError", "nope" in str(e))
+        """, cwd=tmp_path)
+    assert run.stdout.split() == ["320", "ConfigError", "True"], run.stderr
