@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -31,7 +31,20 @@ from specflow.spec_step import SpeculativeDecoding
 _REQUEST_IDS = itertools.count()
 # the salts of requests whose drafter learns across requests (SamplingBatch.coin_walk): one sequence
 # per drafter object, as two requests of one seed and one salt would share coins
-_SALTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SALTS: dict[int, Iterator[int]] = {}
+
+
+def _salts(drafter: Any) -> Iterator[int]:
+    """``drafter``'s salt sequence, kept by identity (a dataclass drafter is unhashable) and
+    dropped with the drafter (kept for the process where it takes no weak reference)."""
+    key = id(drafter)
+    if key not in _SALTS:
+        _SALTS[key] = itertools.count(1)
+        try:
+            weakref.finalize(drafter, _SALTS.pop, key, None)
+        except TypeError:
+            pass
+    return _SALTS[key]
 
 
 class SpecEngine:
@@ -143,7 +156,7 @@ class SpecEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({limit})")
         rid = next(_REQUEST_IDS)
-        salt = next(_SALTS.setdefault(self.drafter, itertools.count(1))) if self._salted else 0
+        salt = next(_salts(self.drafter)) if self._salted else 0
         req = Request(rid, ids, params, self.eos_token_ids, self.tokenizer, salt=salt)
         if not self.scheduler.fits_alone(req):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not fit in the KV cache; "

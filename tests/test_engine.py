@@ -1,5 +1,6 @@
 """SpecEngine with plain decoding: equal to transformers, batching-invariant, stop handling, KV pressure."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,27 @@ def test_tree_builders_and_verifiers_get_the_engine_s_context(tiny_target, monke
     assert set(seen) == {"chain", "greedy"}
     for ctx in seen.values():
         assert ctx["vocab_size"] == 320 and ctx["device"] == torch.device("cpu") and "target" in ctx
+
+
+@dataclasses.dataclass
+class LearningDrafter(StatelessDrafter):
+    """A dataclass (unhashable: eq without frozen) that learns across requests, as a researcher
+    writes one: its requests' coin walks are salted apart by identity."""
+
+    learns_across_requests: bool = True
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        return Expansion(torch.zeros(b, f, frontier.k, dtype=torch.long), torch.full((b, f, frontier.k), -torch.inf))
+
+
+def test_a_dataclass_drafter_that_learns_across_requests_salts_its_requests(tiny_target):
+    drafter = LearningDrafter()
+    engines = [SpecEngine(tiny_target, drafter, {"type": "chain", "depth": 2}, {"type": "greedy"}, device="cpu",
+                          dtype="float32") for _ in range(2)]
+    rids = [e.add_request(PROMPTS[0], SamplingParams(max_tokens=2)) for e in engines for _ in range(2)]
+    salts = [e._requests[r].salt for e, r in zip([engines[0]] * 2 + [engines[1]] * 2, rids)]
+    assert salts == [1, 2, 3, 4]
 
 
 class EmptyDrafter(StatelessDrafter):
