@@ -111,15 +111,16 @@ class PagedKVCache:
     def fits(self, request_ids: list[int], num_tokens: list[int], cached: int = 0) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find the pages, when ``cached`` of
         them come from the prefix cache without costing any (a bound for a request not matched yet)."""
-        return sum(self._extra_pages(request_ids, num_tokens)) - cached <= self.num_available
+        return sum(self.extra_pages(request_ids, num_tokens)) - cached <= self.num_available
 
-    def _extra_pages(self, request_ids: list[int], num_tokens: list[int]) -> list[int]:
+    def extra_pages(self, request_ids: list[int], num_tokens: list[int]) -> list[int]:
+        """The pages each request's table lacks to cover ``num_tokens`` logical indices."""
         return [max(0, self.pages_needed(n) - len(self.block_tables.get(r, ())))
                 for r, n in zip(request_ids, num_tokens)]
 
     def reserve(self, request_ids: list[int], num_tokens: list[int]) -> None:
         """Make each request's block table cover ``num_tokens`` logical indices; all or nothing."""
-        extra = self._extra_pages(request_ids, num_tokens)
+        extra = self.extra_pages(request_ids, num_tokens)
         if sum(extra) > self.num_available:
             raise OutOfPages(f"need {sum(extra)} more KV pages, {self.num_available} free")
         if sum(extra) > self.allocator.num_free:  # the least recently used cached pages go
