@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -176,10 +176,14 @@ class SpecEngine:
         finished inside another call's ``generate`` and not yet returned)."""
         return bool(self._unclaimed) or self.scheduler.has_unfinished()
 
-    def snapshot(self, request_ids: list[int]) -> list[RequestOutput]:
+    def snapshot(self, request_ids: list[int], since: Mapping[int, tuple[int, int]] | None = None
+                 ) -> list[RequestOutput]:
         """The output so far (committed tokens, text, accept lengths, logprobs) of each unfinished
-        request among ``request_ids``, for streaming between steps; finished ids are skipped."""
-        return [self._requests[i].output() for i in request_ids if i in self._requests]
+        request among ``request_ids``, for streaming between steps; finished ids are skipped.
+        ``since`` maps a request to the (tokens, steps) its caller has seen: its output then lists
+        only what came after them (``Request.output``)."""
+        since = since or {}
+        return [self._requests[i].output(since.get(i, (0, 0))) for i in request_ids if i in self._requests]
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,

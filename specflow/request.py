@@ -198,14 +198,19 @@ class Request:
             self.text = text[:min(hits)]
         return bool(hits)
 
-    def output(self) -> RequestOutput:
+    def output(self, since: tuple[int, int] = (0, 0)) -> RequestOutput:
         """What the caller sees: a running request's text as streamed so far, a finished one's
-        exact (cut before a stop string)."""
+        exact (cut before a stop string). With ``since`` = (tokens, steps) already seen, the lists
+        hold what came after them alone (token ids and logprobs past the first ``tokens``, accept
+        lengths, tried depths and steps past the first ``steps``, prompt logprobs only while no
+        token was seen): a stream's update costs what it adds, not a copy of the whole output.
+        The text stays whole (a stop string may still cut it)."""
+        tokens, steps = since
         text = self.text
         if text is None and self.stream is not None:
             text = self.stream.decode(self.output_ids) if self.finished else self.stream.text(self.output_ids)
-        return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), text,
-                             self.finish_reason, list(self.accept_lengths), list(self.tried_depths), list(self.steps),
-                             None if self.logprobs is None else list(self.logprobs),
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+        return RequestOutput(self.id, self.prompt_ids, self.output_ids[tokens:], text,
+                             self.finish_reason, self.accept_lengths[steps:], self.tried_depths[steps:],
+                             self.steps[steps:], None if self.logprobs is None else self.logprobs[tokens:],
+                             None if self.prompt_logprobs is None or tokens else list(self.prompt_logprobs),
                              self.num_cached_tokens)

@@ -94,6 +94,25 @@ def test_snapshot_shows_progress_between_steps(speculative):
     assert all(finished[0].token_ids[:len(s[0])] == s[0] for s in seen[:-1])
 
 
+def test_a_snapshot_since_what_was_seen_lists_only_what_came_after(speculative):
+    """A stream's update (the server's, each step): the lists past the tokens and steps already
+    seen, prompt logprobs only while no token was; the text whole."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    rid = speculative.add_request(PROMPTS[0], params)
+    while speculative.has_unfinished():
+        speculative.step()
+        (full,) = speculative.snapshot([rid]) or [None]
+        if full is None:
+            break
+        for tokens, steps in ((0, 0), (1, 1), (len(full.token_ids), len(full.accept_lengths))):
+            (part,) = speculative.snapshot([rid], since={rid: (tokens, steps)})
+            assert part.token_ids == full.token_ids[tokens:] and part.logprobs == full.logprobs[tokens:]
+            assert (part.accept_lengths, part.tried_depths, part.steps) == (
+                full.accept_lengths[steps:], full.tried_depths[steps:], full.steps[steps:])
+            assert part.prompt_logprobs == (full.prompt_logprobs if tokens == 0 else None)
+            assert part.text == full.text
+
+
 @pytest.mark.parametrize("name", ["plain", "speculative"])
 def test_a_batch_with_different_logprob_counts(name, request):
     """Logprobs are computed on the device for the batch's largest count, with one copy back

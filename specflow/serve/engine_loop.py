@@ -200,26 +200,31 @@ class EngineLoop:
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         for out in finished:
             self._publish(out, done=True)
-        for out in self.engine.snapshot(list(self._streams)):
-            self._publish(out, done=False)
+        # running streams: only what each gained (a whole-output copy per stream and step grew
+        # with the square of the output's length)
+        seen = {rid: (st.sent_tokens, st.seen_steps) for rid, st in self._streams.items()}
+        for out in self.engine.snapshot(list(seen), since=seen):
+            self._publish(out, done=False, since=seen[out.request_id])
 
-    def _publish(self, out: RequestOutput, done: bool) -> None:
-        """Send what ``out`` gained since the last delta. While a request runs, text that a stop
-        string might still cut, and a trailing incomplete UTF-8 character, are held back."""
+    def _publish(self, out: RequestOutput, done: bool, since: tuple[int, int] = (0, 0)) -> None:
+        """Send what ``out`` gained since the last delta; ``out`` lists what came after ``since``
+        (tokens, steps: ``SpecEngine.snapshot``). While a request runs, text that a stop string
+        might still cut, and a trailing incomplete UTF-8 character, are held back."""
         st = self._streams.pop(out.request_id) if done else self._streams[out.request_id]
-        new_ids = out.token_ids[st.sent_tokens:]
+        tokens, steps = st.sent_tokens - since[0], st.seen_steps - since[1]  # unsent, within out's lists
+        new_ids = out.token_ids[tokens:]
         if not new_ids and not done:
             return
         text = out.text or ""
         end = len(text) if done else max(st.sent_chars, len(text.rstrip("\ufffd")) - st.hold)
         piece = text[st.sent_chars:end]
         st.sent_chars = end
-        logprobs = None if out.logprobs is None else out.logprobs[st.sent_tokens:]
+        logprobs = None if out.logprobs is None else out.logprobs[tokens:]
         prompt_logprobs = out.prompt_logprobs if st.sent_tokens == 0 else None
-        for accept_length in out.accept_lengths[st.seen_steps:]:
+        for accept_length in out.accept_lengths[steps:]:
             self.metrics.accept_length.observe(accept_length)
         self.metrics.generation_tokens.inc(len(new_ids))
-        st.sent_tokens, st.seen_steps = len(out.token_ids), len(out.accept_lengths)
+        st.sent_tokens, st.seen_steps = since[0] + len(out.token_ids), since[1] + len(out.accept_lengths)
         if done:
             self.metrics.finished.labels(out.finish_reason).inc()
             self.metrics.cached_prompt_tokens.inc(out.num_cached_tokens)

@@ -4,7 +4,7 @@ import asyncio
 
 from specflow.request import RequestOutput
 from specflow.sampling import SamplingParams
-from specflow.serve.engine_loop import EngineLoop, Submission, _Stream
+from specflow.serve.engine_loop import Delta, EngineLoop, Submission, _Stream
 from specflow.serve.metrics import Metrics
 
 
@@ -66,3 +66,30 @@ def test_a_failed_step_answers_every_request_before_it_aborts_them():
         return [sub.deltas.get_nowait().finish_reason for sub in subs]
 
     assert asyncio.run(fail()) == ["error", "error"]
+
+
+def test_a_running_stream_gets_each_step_s_tokens_as_they_come(tiny_target):
+    """Running streams are published from snapshots of what they gained since the last delta:
+    a delta every step with new tokens, their logprobs and accept lengths, adding up to the
+    finished output (not everything held until the end)."""
+    from specflow.engine import SpecEngine
+
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, {"type": "chain", "depth": 3}, {"type": "greedy"},
+                        device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    async def stream() -> tuple[list[Delta], Metrics]:
+        loop = EngineLoop(engine=engine, metrics=Metrics(max_accept_length=8, num_kv_pages=1))
+        sub = Submission([([5, 6, 7, 5, 6, 7, 5, 6], params)])
+        loop._add(sub)
+        while engine.has_unfinished():
+            loop._step()
+        await asyncio.sleep(0)
+        return [sub.deltas.get_nowait() for _ in range(sub.deltas.qsize())], loop.metrics
+
+    deltas, metrics = asyncio.run(stream())
+    final = deltas[-1].output
+    assert len(deltas) > 2 and all(d.token_ids for d in deltas[:-1])
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == final.logprobs
+    assert metrics.accept_length._sum.get() == sum(final.accept_lengths)
