@@ -120,16 +120,21 @@ def test_the_same_pipeline_in_both_lanes_runs_twice(page):
     assert texts[0] and texts[0] == texts[1]
 
 
+def start_a_long_run(page) -> None:
+    """Generate 512 tokens and return once the run is under way."""
+    page.get_by_text("sampling", exact=True).click()   # (the accordion)
+    page.locator("#max-tokens input[type=number]").fill("512")
+    page.locator("#max-tokens input[type=number]").press("Enter")
+    page.locator("#generate").click()
+    page.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
+
+
 def test_stop_in_one_tab_leaves_another_tab_s_run_alone(browser, app_url):
     """Each browser session has its own Stop (one Event for all stopped every tab's run)."""
     running, other = browser.new_page(), browser.new_page()
     for p in (running, other):
         p.goto(app_url)
-    running.get_by_text("sampling", exact=True).click()   # (the accordion)
-    running.locator("#max-tokens input[type=number]").fill("512")
-    running.locator("#max-tokens input[type=number]").press("Enter")
-    running.locator("#generate").click()
-    running.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
+    start_a_long_run(running)
     other.locator("#stop").click()
     running.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
     assert "A: done" in running.locator("#status").inner_text()
@@ -143,11 +148,7 @@ def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
     running, queued = browser.new_page(), browser.new_page()
     for p in (running, queued):
         p.goto(app_url)
-    running.get_by_text("sampling", exact=True).click()   # (the accordion)
-    running.locator("#max-tokens input[type=number]").fill("512")
-    running.locator("#max-tokens input[type=number]").press("Enter")
-    running.locator("#generate").click()
-    running.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
+    start_a_long_run(running)
     queued.locator("#generate").click()
     queued.locator("#stop").click()
     running.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
