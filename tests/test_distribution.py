@@ -3,6 +3,7 @@ the whole engine on a 6-token vocabulary)."""
 
 import collections
 import itertools
+import json
 import warnings
 
 import pytest
@@ -78,9 +79,9 @@ def test_check_lossless_warns_when_it_tested_few_drafts():
 PENALIZED = dict(PARAMS, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, logit_bias={2: 1.0})
 
 
-def penalized(logits: torch.Tensor, before: list[int]) -> torch.Tensor:
+def penalized(logits: torch.Tensor, before: list[int], prompt: list[int] = PROMPT) -> torch.Tensor:
     """The penalties as tests/test_penalties.py writes them out, token by token (exact_joint's adjust)."""
-    return torch.tensor(reference_logits(logits.tolist(), PROMPT, before, SamplingParams(**PENALIZED), set()))
+    return torch.tensor(reference_logits(logits.tolist(), prompt, before, SamplingParams(**PENALIZED), set()))
 
 
 @pytest.mark.parametrize("case", ["rejection-sampled-chain", "threshold-1-1-eagle2",
@@ -202,6 +203,48 @@ def test_every_drafter_s_q_keeps_the_distribution_under_rejection_over_sampled_d
     from and what the verifier corrects with (the draft model: CASES above)."""
     p = check_lossless(small_heads[drafter], SAMPLED_TREE, {"type": "rejection"}, small_vocab[0], prompt=REPEATING)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+@pytest.fixture(scope="module")
+def restricted_heads(small_vocab, small_heads, tmp_path_factory):
+    """Heads that draft among 3 of the 6 target tokens: EAGLE with an FR-Spec token map and
+    EAGLE-3 with a 3-token draft vocabulary (d2t / t2d); q has no mass on the other tokens."""
+    config = load_model(small_vocab[0]).config
+    hot = torch.tensor([4, 0, 2])
+    hf3 = head_hf(config, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(hot),
+                  eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+    eagle3 = write_checkpoint(tmp_path_factory.mktemp("v6-eagle3-hot"), hf3, eagle3_state(hf3, seed=3, hot=hot),
+                              "safetensors")
+    token_map = tmp_path_factory.mktemp("v6-hot") / "hot.json"
+    token_map.write_text(json.dumps(hot.tolist()))
+    return {"eagle-token-map": dict(small_heads["eagle"], token_map=str(token_map)),
+            "eagle3-draft-vocab": {"type": "eagle3", "path": str(eagle3), "kv_cache_tokens": 8192}}
+
+
+@pytest.mark.parametrize("tree, verifier", [(SAMPLED_TREE, {"type": "rejection"}),
+                                            (CASES["threshold-1-1-eagle2"][0], {"type": "threshold"})],
+                         ids=["rejection-sampled-static", "threshold-1-1-eagle2"])
+@pytest.mark.parametrize("drafter", ["eagle-token-map", "eagle3-draft-vocab"])
+def test_drafts_among_a_subset_of_the_vocabulary_keep_the_distribution(small_vocab, restricted_heads, drafter, tree,
+                                                                       verifier):
+    """A residual max(p - q, 0) keeps all of p's mass on the tokens q cannot draft: the target's
+    law whatever part of the vocabulary the head drafts from."""
+    p = check_lossless(restricted_heads[drafter], tree, verifier, small_vocab[0], prompt=REPEATING)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "union", "eagle"])
+def test_sampled_trees_of_every_drafter_kind_keep_the_penalized_distribution(small_vocab, small_heads, drafter):
+    """Penalties over a sampled tree: q (a lookup's counts, a mixture, a head's softmax) knows no
+    penalties, p at each node counts its path's tokens and the prompt's (repeats in it)."""
+    model = load_model(small_vocab[0])
+    engine = SpecEngine(model, small_heads[drafter], SAMPLED_TREE, {"type": "rejection"}, kv_cache_tokens=8192,
+                        max_batch_size=128)
+    tested = []
+    counts = sampled_counts(engine, 3000, REPEATING, params=PENALIZED, tested=tested)
+    assert sum(tested) > 3000  # (the verifier tested drafts in most requests)
+    assert_same_distribution(counts, exact_joint(model, REPEATING, params=PENALIZED,
+                                                 adjust=lambda logits, before: penalized(logits, before, REPEATING)))
 
 
 THRESHOLD_TREES = {"chain": {"type": "chain", "depth": 2}, "static": dict(SAMPLED_TREE, sample=False),
