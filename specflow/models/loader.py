@@ -1,6 +1,6 @@
 """Load and save Hugging Face checkpoint directories as native Llama-family models.
 
-A directory holds ``config.json`` and weights in one of: ``model.safetensors``; shards listed
+A directory holds ``config.json`` and weights in the first of: ``model.safetensors``; shards listed
 by ``model.safetensors.index.json``; ``pytorch_model.bin``; shards listed by
 ``pytorch_model.bin.index.json``. The model is built on the meta device (no random init) and
 each tensor is assigned once, already in the target dtype and device (q/k/v and gate/up copied
@@ -120,15 +120,15 @@ def _read_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str,
     (safetensors straight onto ``device``, .bin files memory-mapped on the CPU where their format allows)."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (path / single).is_file():  # (before its index, as transformers reads them)
+            files = [single]
+            break
         index = path / index_name
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file)")
             files = sorted(set(weight_map.values()))
-            break
-        if (path / single).is_file():
-            files = [single]
             break
     else:
         raise CheckpointError(f"{path} has no model.safetensors, model.safetensors.index.json, "

@@ -46,6 +46,14 @@ def test_sharded_safetensors(variant, tiny_checkpoint):
     assert not model.training
 
 
+def test_a_single_file_beside_shards_is_read_as_transformers_reads_it(tiny_checkpoint):
+    hf, path = tiny_checkpoint("llama", max_shard_size="40KB")
+    single = {k: v + 1 for k, v in hf.state_dict().items()}  # (other weights than the shards')
+    save_file(single, path / "model.safetensors", metadata={"format": "pt"})
+    assert_same_weights(load_model(path), AutoModelForCausalLM.from_pretrained(path))
+    assert_close(load_model(path).embed_tokens.weight, single["model.embed_tokens.weight"])
+
+
 @pytest.mark.parametrize("variant", ["llama", "tied"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_pytorch_bin(variant, sharded, tiny_checkpoint):
