@@ -30,7 +30,8 @@ from specflow.serve.inputs import ApiError
 from specflow.serve.engine_loop import EngineLoop, EngineNotRunning
 from specflow.serve.metrics import Metrics
 from specflow.serve.middleware import ApiKeyAuth, CountResponses, LimitBody
-from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest
+from specflow.serve.chat_protocol import ChatCompletionRequest
+from specflow.serve.protocol import CompletionRequest
 from specflow.serve.responses import ModelCard, ModelList, error_body
 
 log = logging.getLogger("specflow.serve")

@@ -19,7 +19,8 @@ from specflow.logprobs import TokenLogprob
 from specflow.sampling import SamplingParams
 from specflow.serve.engine_loop import Delta, EngineLoop, EngineNotRunning, Submission
 from specflow.serve.inputs import ApiError, RequestInputs
-from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specflow.serve.chat_protocol import ChatCompletionRequest
+from specflow.serve.protocol import CompletionRequest, SamplingFields
 from specflow.serve.responses import (
     AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,

@@ -8,7 +8,8 @@ import copy
 
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
-from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specflow.serve.chat_protocol import ChatCompletionRequest
+from specflow.serve.protocol import CompletionRequest, SamplingFields
 from specflow.serve.responses import error_body
 
 

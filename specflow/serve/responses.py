@@ -1,5 +1,5 @@
-"""The OpenAI wire format's response bodies, as pydantic models (requests: specflow.serve.protocol).
-Beyond OpenAI's fields: ``usage.accept_length``, tokens committed per speculative step."""
+"""The OpenAI wire format's response bodies, as pydantic models (requests:
+specflow.serve.protocol and chat_protocol). Beyond OpenAI's fields: ``usage.accept_length``, tokens committed per speculative step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, model_serializer
 
-from specflow.serve.protocol import FunctionCall, ToolCall
+from specflow.serve.chat_protocol import FunctionCall, ToolCall
 
 class AcceptLengthStats(BaseModel):
     """Tokens committed by each speculative step (accepted drafts + bonus), over all choices."""

@@ -28,7 +28,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from specflow.serve.protocol import FunctionCall, ToolCall
+from specflow.serve.chat_protocol import FunctionCall, ToolCall
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

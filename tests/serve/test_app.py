@@ -17,7 +17,8 @@ from specflow import SpecEngine
 from specflow.serve import build_app
 from specflow.serve.app import decode_body
 from specflow.serve.inputs import ApiError
-from specflow.serve.protocol import ChatCompletionRequest, CompletionRequest
+from specflow.serve.chat_protocol import ChatCompletionRequest
+from specflow.serve.protocol import CompletionRequest
 from tests.serve.conftest import API_KEY, KV_CACHE_TOKENS, MAX_SEQUENCES, MAX_REQUEST_BYTES, MODEL
 
 pytestmark = pytest.mark.xdist_group("serve")
