@@ -1,5 +1,6 @@
 """The OpenAI wire format's response bodies, as pydantic models (requests:
-specflow.serve.protocol and chat_protocol). Beyond OpenAI's fields: ``usage.accept_length``, tokens committed per speculative step."""
+specflow.serve.protocol and chat_protocol). Beyond OpenAI's fields: ``usage.accept_length``,
+tokens committed per speculative step."""
 
 from __future__ import annotations
 
