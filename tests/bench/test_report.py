@@ -60,3 +60,25 @@ def test_turns_the_context_cut_are_listed_by_pipeline(tmp_path):
     assert "batch size 1, 2 prompts of up to 2 turns (a row each), temperature" in md
     assert "## Cut by the model's context" in md and "`q`" not in md.split("## Cut")[1]
     assert "- `baseline`: 1 shortened, 0 left out (none)" in md and "- `p`: 0 shortened, 2 left out (a/2, b/2)" in md
+
+
+def test_a_declared_lossless_pipeline_that_parts_from_greedy_baseline_is_flagged(tmp_path):
+    """A plugin verifier that accepts every draft but declares lossless = True matched 0 % of the
+    greedy baseline while results.md said "lossless: yes" and "at temperature 0 such a pipeline is exact"."""
+    base = {"prompts": 1, "tokens": 8, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+            "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0}}}
+    liar = base | {"accept_length": 3.8, "speedup": 1.8, "lossless": True, "matches_baseline": 0.0,
+                   "categories": {"code": {"accept_length": 3.8, "tokens_per_s": 180.0, "speedup": 1.8}}}
+    honest = liar | {"matches_baseline": 1.0}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 1,
+               "repeats": 1, "sampling": {"temperature": 0.0, "max_tokens": 8}, "torch_version": "2.5",
+               "git_commit": None, "pipelines": {"baseline": base, "liar": liar, "honest": honest}}
+    rows = {n: [{"accept_lengths": [1] * 8}] for n in ("baseline", "liar", "honest")}
+    write_report(results, rows, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| liar | yes§ | 3.80 |" in md and "| honest | yes | 3.80 |" in md
+    assert "§ declared lossless, yet at temperature 0" in md
+    # sampled runs are exact in distribution only: no flag there
+    results["sampling"]["temperature"] = 0.8
+    write_report(results, rows, tmp_path)
+    assert "§" not in (tmp_path / "results.md").read_text()
