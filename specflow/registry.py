@@ -72,7 +72,9 @@ class Registry:
         """Return ``(cls, config_cls)``; unknown names fail listing the known ones."""
         load_plugins()
         if name not in self._entries:
-            raise RegistryError(f"unknown {self.kind} type '{name}'; known: {', '.join(self.names())}")
+            raise RegistryError(f"unknown {self.kind} type '{name}'; known: {', '.join(self.names())} (a type of "
+                                f"your own registers when its module is imported: --plugin FILE.py on the command "
+                                f"line, or an entry point of the '{ENTRY_POINT_GROUP}' group)")
         return self._entries[name]
 
     def check_built(self, component: Any, where: str) -> None:

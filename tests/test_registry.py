@@ -82,6 +82,14 @@ def test_the_cli_loads_plugins_before_the_command(tmp_path):
     assert run.returncode == 2 and "No module named 'no_such_module'" in run.stderr
 
 
+def test_an_unknown_type_says_how_a_type_of_one_s_own_registers():
+    from specflow.registry import DRAFTERS, RegistryError
+
+    with pytest.raises(RegistryError, match=r"unknown drafter type 'echo'; known: draft_model, .* --plugin FILE.py "
+                                            r"on the command line, or an entry point of the 'specflow.components'"):
+        DRAFTERS.get("echo")
+
+
 @pytest.mark.parametrize("source,error", [
     ("import no_such_dependency_xyz\n", "ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
     ("def f(:\n    pass\n", "SyntaxError: "),
