@@ -25,7 +25,7 @@ class StrictModel(BaseModel):
     """Strict and closed; an explicit ``null`` takes the field's default, as OpenAI's nullable
     parameters do (clients send ``None`` as ``null``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
