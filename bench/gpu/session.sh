@@ -22,6 +22,8 @@ export TOKENIZERS_PARALLELISM=false
 # (MissingJITCacheError) instead of compiling for minutes and failing to link without a CUDA
 # toolkit; and the CUDA rmsnorm kernels (prebuilt), whichever optional packages the image has
 export FLASHINFER_DISABLE_JIT=1 FLASHINFER_USE_CUDA_NORM=1
+# flashinfer writes generated sources even for prebuilt modules, under $HOME by default
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-workspace}
 echo "setup: ${SECONDS}s"
 
 bench() {  # name, time limit in seconds, extra args
