@@ -44,6 +44,7 @@ def make_random_checkpoint(out: str | Path, *, hidden_size: int = 256, num_layer
                            seed: int = 0, dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> Path:
     """Write a Hugging Face Llama checkpoint with random weights (and a BPE tokenizer) to ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,5 +60,11 @@ def make_random_checkpoint(out: str | Path, *, hidden_size: int = 256, num_layer
         initializer_range=initializer_range, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(str(out))
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # (a "Writing model shards" bar for every test model, otherwise)
+    try:
+        model.save_pretrained(str(out))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return out
