@@ -86,6 +86,8 @@ def train(run: TrainConfig) -> TrainResult:
                   if job.val_data is not None else None)
     start = time.time()
     with warnings.catch_warnings():
+        # the frozen target (and any frozen part of a recipe) is in eval mode on purpose
+        warnings.filterwarnings("ignore", r"Found \d+ module\(s\) in eval mode at the start of training")
         if trainer.world_size == 1:  # DataOrder resumes mid-epoch, which Lightning cannot see
             warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
         trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
