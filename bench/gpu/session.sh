@@ -6,6 +6,8 @@
 #   bash bench/gpu/session.sh bench1   # decode_roofline + verify_step at the real (8B) shape
 #   bash bench/gpu/session.sh bench2   # spec_step + tiny_family
 #
+# What travels to the machine (tracked files, 27 MiB, and .wheels, 34 MiB) must stay under 64 MiB:
+# check `du -sh .wheels` and the zoo's size after changing either.
 # Copy $OUT/*.json to bench/results/ and commit them. Extra pytest / benchmark arguments follow
 # the phase (e.g. `test -k flashinfer`, `bench1 --backend flashinfer`).
 set -uo pipefail
