@@ -1,0 +1,18 @@
+"""`specflow bench`: plain decoding against transformers generate, timed over the same work."""
+
+import json
+
+from specflow.cli import main
+
+
+def test_the_decode_bench_times_specflow_and_transformers_generating_the_same_tokens(tiny_target, tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    main(["bench", str(tiny_target), "--batch-sizes", "1", "3", "--max-tokens", "6", "--prompt-len", "5",
+          "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["rows"]] == [1, 3]
+    assert (result["max_tokens"], result["prompt_len"]) == (6, 5)
+    for row in result["rows"]:
+        assert row["same_tokens"] is True
+        assert abs(row["ratio"] - row["specflow_tok_s"] / row["transformers_tok_s"]) < 1e-9 * row["ratio"]
+    assert "same tokens" in capsys.readouterr().out
