@@ -299,6 +299,17 @@ def test_prompt_errors(engine):
         engine.add_request([1] * 10, SamplingParams(max_tokens=10_000))
 
 
+def test_a_prompt_fits_the_kv_cache_only_with_room_for_the_token_after_it(tiny_target):
+    """add_request refuses a prompt the whole pool could never prefill with its first token
+    (the prompt's K/V plus one): such a request would wait forever; one token shorter runs."""
+    e = SpecEngine(tiny_target, device="cpu", dtype="float32", kv_cache_tokens=32)
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        e.add_request(list(range(1, 33)), SamplingParams(max_tokens=1))
+    assert not e.has_unfinished()
+    out = e.generate([list(range(1, 32))], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
 def test_a_target_without_tokenizer_refuses_text_work_by_name(engine):
     """Token ids in, token ids out; stop strings (matched on text) would silently never stop, so
     they are refused, and so is decode (not an AttributeError)."""

@@ -150,3 +150,23 @@ def test_prompt_logprobs_take_the_prompt_logits_a_slice_at_a_time(plain, monkeyp
         torch.testing.assert_close(torch.tensor(values[1]), torch.tensor(values[0]))   # (matmuls of other sizes)
         assert [[t for t, _ in lp.top] for lp in b.prompt_logprobs[1:]] == \
             [[t for t, _ in lp.top] for lp in a.prompt_logprobs[1:]]
+
+
+def test_a_request_preempted_after_its_first_tokens_keeps_one_prompt_logprob_per_prompt_token(plain, tiny_target):
+    """A preempted request that already generated resumes by prefilling its sequence again; its
+    prompt logprobs were taken at its first prefill and are not taken again (nor extended by the
+    generated tokens recomputed): they equal those of an engine without KV pressure."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    expected = plain.generate(PROMPTS * 2, params)
+    small = SpecEngine(plain.model, tokenizer=plain.tokenizer, kv_cache_tokens=80, page_size=4)
+    prefills = []
+    extend = small.runner.extend
+    small.runner.extend = lambda ids, tokens, **kw: (kw.get("logits") == "last" and prefills.append(
+        sum(map(len, tokens)))) or extend(ids, tokens, **kw)
+    outs = small.generate(PROMPTS * 2, params)
+    assert sum(prefills) > sum(map(len, PROMPTS * 2))  # someone was preempted and prefilled again
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    for out, ref in zip(outs, expected):
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert [lp and (lp.token_id, round(lp.logprob, 4)) for lp in out.prompt_logprobs] == \
+               [lp and (lp.token_id, round(lp.logprob, 4)) for lp in ref.prompt_logprobs]

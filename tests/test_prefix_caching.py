@@ -37,6 +37,25 @@ def test_shared_prefixes_are_prefilled_once_with_the_same_outputs_and_drafts(dra
     assert not fed[0] or sum(fed[1]) <= sum(fed[0]) - 2 * shared
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3"])
+def test_an_eagle_head_shares_no_pages_between_prompts_that_differ_in_their_first_token(drafter):
+    """An EAGLE head's first entry reads the target feature of the sequence's first token, so its
+    cached pages are keyed after that token: two prompts equal but for their first token share
+    none of the head's pages, and draft as an engine without prefix caching does."""
+    engines, fed = [engine(drafter), engine(drafter, prefix_caching=True)], [[], []]
+    for eng, counts in zip(engines, fed):
+        extend = eng.drafter.runner.runner.extend
+        eng.drafter.runner.runner.extend = lambda ids, tokens, extend=extend, counts=counts, **kw: \
+            counts.append(sum(map(len, tokens))) or extend(ids, tokens, **kw)
+    rest = engines[0].encode(SYSTEM + "def main(")
+    prompts = [[5] + rest, [9] + rest]
+    cold = one_at_a_time(engines[0], prompts)
+    outs = one_at_a_time(engines[1], prompts)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in cold]
+    assert sum(fed[1]) == sum(fed[0])  # the head computed both prompts whole
+
+
 def test_sampled_outputs_and_logprobs_are_those_without_it():
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, logprobs=2)
     cold = one_at_a_time(engine("eagle"), PROMPTS, params)
@@ -171,7 +190,8 @@ def test_an_eagle_request_whose_first_build_was_given_up_then_out_of_pages_commi
     runner, cache, f = d.runner, d.runner.runner.cache, d.runner.runner.model.config.hidden_size
 
     def expand(roots):
-        frontier = Frontier(roots, DraftTree.root_only(roots), torch.zeros(roots.batch_size, 1, dtype=torch.long), 4, False)
+        frontier = Frontier(roots, DraftTree.root_only(roots), torch.zeros(roots.batch_size, 1, dtype=torch.long), 4,
+                            False)
         runner.expand(frontier, d.head.compute_logits, d.vocab_size, d.head.draft_to_target)
 
     with torch.inference_mode():
@@ -197,7 +217,7 @@ def test_a_waiting_head_is_matched_again_only_when_it_could_fit():
     long = SYSTEM + "".join(f"x{i} = {i}\n" for i in range(12))
     alone = one_at_a_time(engine(), [long])[0]
     eng.generate([SYSTEM], GREEDY)  # the system prompt's pages cached
-    running = eng.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=110, ignore_eos=True))
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=110, ignore_eos=True))  # running
     for _ in range(70):  # (the pool then has fewer free pages than the head's tokens past the system prompt)
         eng.step()
     head = eng.add_request(long, GREEDY)

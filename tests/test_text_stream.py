@@ -99,3 +99,17 @@ def test_stop_string_in_a_token_that_ends_inside_a_character():
     req = Request(0, [1], SamplingParams(stop=["a"], max_tokens=10), [], tokenizer)
     assert req.append(ids) == 1 and req.finished
     assert req.output().text == "" and req.output().token_ids == ids[:1]
+
+
+def test_stop_strings_completed_by_the_same_token_cut_the_text_before_the_first_to_begin():
+    """When one token completes two stop strings at once ("ab" and "xab" at the "b" of "zxab"),
+    the text ends before the earlier match, as if the stop strings were searched one by one."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    ids = [vocab[c] for c in "zxab"]
+    for stop in (["ab", "xab"], ["xab", "ab"]):
+        req = Request(0, [1], SamplingParams(stop=stop, max_tokens=10), [], tokenizer)
+        assert req.append(ids + [vocab["q"]]) == 4 and req.finished and req.finish_reason == "stop"
+        assert req.output().text == "z" and req.output().token_ids == ids

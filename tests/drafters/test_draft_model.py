@@ -6,7 +6,7 @@ import torch
 
 from drafters.draft_model import DraftModelDrafter
 from specflow import SamplingParams, SpecEngine
-from specflow.models import load_model
+from specflow.models import CheckpointError, load_model
 from specflow.runtime.model_runner import ModelRunner
 from specflow.tree import DraftTree, Frontier
 from tests.drafters.expansion import check_steps, roots_for, target_features
@@ -67,3 +67,30 @@ def test_a_pool_short_of_a_whole_tree_fails_before_any_draw(tiny_target):
     out = short.generate([prompt], params)[0]
     assert out.accept_lengths == [1] * 5  # (9 slots: a prompt of 5 and a tree of 5 do not fit)
     assert out.token_ids == SpecEngine(tiny_target).generate([prompt], params)[0].token_ids
+
+
+def test_a_pool_holding_exactly_a_whole_tree_drafts_it(tiny_target):
+    """A tree's start reserves the pending tokens, the root and the rest of its budget: a pool of
+    exactly that many slots (a prompt of 5, a root, 4 more nodes: 10) drafts the first tree."""
+    prompt, params = [5, 17, 42, 9, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tree = {"type": "static", "choices": [[0], [1], [0, 0], [0, 1]]}
+    exact = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target), "kv_cache_tokens": 10},
+                       tree, {"type": "greedy"})
+    out = exact.generate([prompt], params)[0]
+    assert out.tried_depths[0] > 0  # the first step drafted
+    assert out.token_ids == SpecEngine(tiny_target).generate([prompt], params)[0].token_ids
+
+
+def test_a_draft_model_with_a_larger_vocabulary_than_the_target_s_is_rejected(tiny_target):
+    """Sharing the tokenizer means the same vocabulary: a draft model with more ids than the target
+    (it could draft ids the target has no logits for) is refused as one with fewer is."""
+    model = load_model(tiny_target)
+    with pytest.raises(CheckpointError, match="vocabulary"):
+        DraftModelDrafter(model, target_vocab_size=model.config.vocab_size - 1)
+
+
+def test_the_draft_model_s_pool_holds_kv_cache_tokens_tokens_whatever_the_page_size(tiny_target):
+    """kv_cache_tokens counts tokens: a pool of 64 tokens in pages of 4 is 16 pages."""
+    drafter = DraftModelDrafter(load_model(tiny_target), kv_cache_tokens=64, page_size=4)
+    cache = drafter.runner.runner.cache
+    assert cache.page_size == 4 and cache.allocator.num_pages * cache.page_size == 64

@@ -118,3 +118,13 @@ def test_saved_and_reloaded_head_drafts_the_same_trees(tmp_path, target, head_di
     taps = list(load_eagle3(head_dir, target).taps)
     assert hf["eagle_aux_hidden_state_layer_ids"] == taps
     assert [i + 1 for i in hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == taps
+
+
+def test_the_head_s_pool_takes_the_configured_size_and_page_size(target, head_dir):
+    """An eagle3 drafter node's kv_cache_tokens and page_size reach the head's own KV pool."""
+    eng = SpecEngine(target, drafter={"type": "eagle3", "path": str(head_dir), "kv_cache_tokens": 96, "page_size": 4},
+                     tree={"type": "chain", "depth": 2}, verifier={"type": "greedy"}, kv_cache_tokens=1024)
+    cache = eng.drafter.runner.runner.cache
+    assert cache.page_size == 4 and cache.allocator.num_pages * cache.page_size == 96
+    default = engine(target, {"type": "chain", "depth": 2}, head_dir)
+    assert eng.generate([PROMPTS[0]], GREEDY)[0].token_ids == default.generate([PROMPTS[0]], GREEDY)[0].token_ids

@@ -123,3 +123,22 @@ def test_saved_and_reloaded_heads_draft_the_same_trees(tmp_path, target, head_di
                                       [c[-1] for c in CONTEXTS], feature_table(64)))
         trees.append(StaticBuilder(preset="medusa_63").build(drafter, roots_for(CONTEXTS)))
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].scores, trees[1].scores)
+
+
+def test_sampled_drafting_records_the_heads_distribution_as_q(target, head_dir):
+    """With want_probs (sampled drafting), each drafted node's q is the distribution of the head
+    for its depth, whose top-k are the children: rows of probabilities over the vocabulary."""
+    heads = load_medusa(head_dir, target)
+    drafter = MedusaDrafter(heads)
+    features = feature_table(64, seed=2)
+    drafter.begin(target_features(drafter, [0, 1], [c[:-1] for c in CONTEXTS], [0, 0], [c[-1] for c in CONTEXTS],
+                                  features))
+    roots = roots_for(CONTEXTS)
+    roots.generators = [torch.Generator().manual_seed(b) for b in range(len(CONTEXTS))]
+    tree = ChainBuilder(depth=3, sample=True).build(drafter, roots)
+    probs = tree.draft_probs[:, :3]                                          # [B, 3, V]: the nodes expanded
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(CONTEXTS), 3))
+    with torch.inference_mode():
+        for b, ctx in enumerate(CONTEXTS):
+            logprobs = torch.log_softmax(heads(features(b, torch.tensor([len(ctx) - 2]))), -1)[:, 0]  # [heads, V]
+            torch.testing.assert_close(probs[b], logprobs.exp())

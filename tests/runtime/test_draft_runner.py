@@ -54,3 +54,17 @@ def test_scratch_feeds_many_requests_at_once_and_grows():
     assert scratch.visible[slots[1], :3, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     scratch.clear(slots)
     assert not scratch.size.any() and not scratch.visible.any()
+
+
+def test_a_path_follows_its_parents_past_nodes_elsewhere_that_hold_the_same_token():
+    """``path`` finds each token among the children of the entry before it: a node with the same
+    token under another parent (fed earlier) holds K/V of another path and is not taken."""
+    tokens = np.array([[7, 11, 12, 30, 30]])   # 0 -> 1, 2; 1 -> 3 (30); 2 -> 4 (30)
+    parents = np.array([[-1, 0, 0, 1, 2]])
+    scratch = Scratch()
+    slot = np.array([scratch.acquire()])
+    scratch.start(slot, tokens[:, 0])
+    scratch.feed(slot, np.array([[1, 2]]), tokens, parents)
+    scratch.feed(slot, np.array([[3, 4]]), tokens, parents)
+    assert scratch.path(slot[0], [7, 12, 30]) == [0, 2, 4] and scratch.path(slot[0], [7, 11, 30]) == [0, 1, 3]
+    assert scratch.path(slot[0], [7, 30]) == [0]   # 30 is no child of the root

@@ -1,6 +1,7 @@
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,3 +75,16 @@ def test_bad_parameters(kwargs, match):
 def test_config_path():
     builder = build_component(TREE_BUILDERS, {"type": "bfs", "max_breadth": 3, "num_draft_tokens": 8})
     assert (builder.max_breadth, builder.num_draft_tokens) == (3, 8)
+
+
+def test_a_request_s_tree_does_not_depend_on_its_batch_mates():
+    """Each request expands every node it placed at a level, however many its batch mates placed:
+    in a batch, a request's tree is the one it gets alone."""
+    drafter = TableDrafter(vocab=8, seed=4, min_children=1, max_children=4)
+    roots = make_roots(4, 8, seed=2)
+    builder = BfsBuilder(min_breadth=1, max_breadth=4, depth=4, num_draft_tokens=14)
+    batched = builder.build(drafter, roots)
+    for r in range(4):
+        alone = builder.build(drafter, roots.select([r]))
+        for field in ("tokens", "parents", "valid"):
+            assert torch.equal(getattr(batched, field)[r], getattr(alone, field)[0]), (r, field)

@@ -88,3 +88,12 @@ def test_bad_depth_and_config_path():
         ChainBuilder(depth=0)
     builder = build_component(TREE_BUILDERS, {"type": "chain", "depth": 3})
     assert isinstance(builder, ChainBuilder) and builder.num_draft_tokens == 4
+
+
+def test_a_chain_that_ran_dry_asks_the_drafter_about_no_further_node():
+    """Once a request's drafter has no child, the chain's later frontiers hold no node of it (-1):
+    a drafter with a cache of its own is never asked to expand padding."""
+    drafter = TableDrafter(vocab=5, seed=0, max_children=0)  # never has a child
+    ChainBuilder(depth=3).build(drafter, make_roots(2, 5))
+    assert len(drafter.calls) == 3 and (drafter.calls[0].nodes == 0).all()
+    assert all((c.nodes == -1).all() for c in drafter.calls[1:])
