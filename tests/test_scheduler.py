@@ -4,7 +4,7 @@ request, so admitting it never turns the running batch's steps plain."""
 from specflow.request import Request
 from specflow.runtime.kv_cache import PagedKVCache
 from specflow.sampling import SamplingParams
-from specflow.scheduler import Scheduler
+from specflow.scheduler import SHARED_PREFIX_WAIT, Scheduler
 
 N = 5  # tree nodes
 
@@ -110,8 +110,6 @@ def test_a_request_waits_for_a_prompt_prefilled_alongside_only_past_shared_prefi
     """A waiting request that shares a prompt prefilled in the same step waits a step only when
     more than SHARED_PREFIX_WAIT of its tokens would then be read from that prompt's pages; it can
     read full pages of all of its prompt but the last token (whose logits sample the first)."""
-    from specflow.scheduler import SHARED_PREFIX_WAIT
-
     page = 16
     assert SHARED_PREFIX_WAIT == 2 * page
     prompt = list(range(1, 3 * page + 1))                  # 48 tokens: 47 readable, 2 full pages = 32

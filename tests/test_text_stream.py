@@ -103,7 +103,8 @@ def test_stop_string_in_a_token_that_ends_inside_a_character():
 
 def test_stop_strings_completed_by_the_same_token_cut_the_text_before_the_first_to_begin():
     """When one token completes two stop strings at once ("ab" and "xab" at the "b" of "zxab"),
-    the text ends before the earlier match, as if the stop strings were searched one by one."""
+    the text ends before the match that begins first, whatever the order of ``stop`` (vLLM cuts at
+    the first stop string in list order that matches)."""
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

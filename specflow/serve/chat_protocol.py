@@ -148,7 +148,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, min_length=1)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # after tools: its check reads them
+    # (after tools: its check reads them)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None   # "text" only
 

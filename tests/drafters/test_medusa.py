@@ -127,7 +127,7 @@ def test_saved_and_reloaded_heads_draft_the_same_trees(tmp_path, target, head_di
 
 def test_sampled_drafting_records_the_heads_distribution_as_q(target, head_dir):
     """With want_probs (sampled drafting), each drafted node's q is the distribution of the head
-    for its depth, whose top-k are the children: rows of probabilities over the vocabulary."""
+    for its depth, whose draws are the children: rows of probabilities over the vocabulary."""
     heads = load_medusa(head_dir, target)
     drafter = MedusaDrafter(heads)
     features = feature_table(64, seed=2)
