@@ -27,6 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
+def ngram_chain(name: str = "chain", verifier: str = "greedy") -> str:
+    """The pipelines of an experiment (write_config's): one n-gram drafter over a chain of 2."""
+    return f"""
+  - name: {name}
+    drafter: {{type: ngram}}
+    tree: {{type: chain, depth: 2}}
+    verifier: {{type: {verifier}}}"""
+
+
 def write_config(tmp_path, target, pipelines: str) -> Path:
     path = tmp_path / "exp.yaml"
     path.write_text(f"""
@@ -221,11 +230,7 @@ def test_run_seconds_hold_each_run_s_own_time(tmp_path, tiny_target, monkeypatch
                 for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(experiment, "run_pipeline", timed_rows)
-    path = write_config(tmp_path, tiny_target, """
-  - name: p
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, tiny_target, ngram_chain("p"))
     assert main(["run", str(path), "repeats=2"]) == 0
     results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())["pipelines"]
     assert results["baseline"]["run_seconds"] == [5.0, 5.0] and results["p"]["run_seconds"] == [4.0, 4.0]
@@ -289,11 +294,7 @@ def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
 
 
 def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_path, tiny_target, capsys):
-    path = write_config(tmp_path, tiny_target, """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: rejection}""")
+    path = write_config(tmp_path, tiny_target, ngram_chain(verifier="rejection"))
     out = tmp_path / "runs" / "tiny-sweep"
     out.mkdir(parents=True)
     (out / "results.md").write_text("a sweep without run points wrote this")
@@ -323,11 +324,7 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
 
 def test_a_run_point_of_null_reaches_the_engine_as_null(tmp_path, tiny_target):
     """(a run point became the override text ``engine.spec_max_batch_size=None``: the string 'None')"""
-    path = write_config(tmp_path, tiny_target, """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, tiny_target, ngram_chain())
     run_sweep(path, ["engine.spec_max_batch_size=null,0", "sampling.max_tokens=2"])
     out = tmp_path / "runs" / "tiny-sweep"
     configs = [yaml.safe_load((out / f"spec_max_batch_size={v},max_tokens=2" / "config.yaml").read_text()) for v in ("None", 0)]
@@ -349,11 +346,7 @@ def test_parse_grid_refuses_a_point_given_twice():
                                             ("sampling.temperature=0.5", "sampling.temperature=0,0.7")])
 def test_a_key_both_overridden_and_swept_is_refused(tmp_path, override, grid):
     """(the grid's values silently replaced the override's)"""
-    path = write_config(tmp_path, "no/such/target", """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, "no/such/target", ngram_chain())
     with pytest.raises(ConfigError, match=f"sweep: {override.partition('=')[0]} is both an override and a --grid key"):
         run_sweep(path, [grid], [override])
 
@@ -385,11 +378,7 @@ def test_grid_keys_reach_nested_nodes():
     ("tree.depth=2,0", "--grid point depth=0: tree: .*depth must be >= 1"),
     ("verifier.type=greedy,exact", "--grid point type=exact: verifier.type: unknown verifier type 'exact'")])
 def test_sweep_checks_every_grid_point_before_the_target_loads(tmp_path, capsys, grid, message):
-    path = write_config(tmp_path, "no/such/target", """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, "no/such/target", ngram_chain())
     assert main(["sweep", str(path), "--grid", grid]) == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -449,11 +438,7 @@ def test_a_failing_pipeline_is_recorded_and_the_others_still_run(tmp_path, tiny_
     ("prompts.categories=[]", "prompts.categories: an empty list")])        # (ran every category)
 def test_a_prompt_subset_that_selects_nothing_fails_naming_its_key_before_the_target_loads(tmp_path, capsys,
                                                                                          override, message):
-    path = write_config(tmp_path, "no/such/target", """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, "no/such/target", ngram_chain())
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_experiment(path, [override])
     assert main(["run", str(path), override]) == 2
@@ -461,11 +446,7 @@ def test_a_prompt_subset_that_selects_nothing_fails_naming_its_key_before_the_ta
 
 
 def test_a_null_tree_or_verifier_is_recorded_as_the_default_it_runs(tmp_path):
-    path = write_config(tmp_path, "no/such/target", """
-  - name: chain
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, "no/such/target", ngram_chain())
     _, (p,) = load_experiment(path, ["pipelines.0.verifier=null", "pipelines.0.tree=null"])
     assert (p.tree, p.verifier) == ({"type": "chain"}, {"type": "rejection"})
 
@@ -667,11 +648,7 @@ def test_later_turns_continue_each_engine_s_own_chat(tmp_path):
 
 
 def test_later_turns_need_the_chat_template(tmp_path, tiny_target):
-    path = write_config(tmp_path, tiny_target, """
-  - name: pld
-    drafter: {type: ngram}
-    tree: {type: chain, depth: 2}
-    verifier: {type: greedy}""")
+    path = write_config(tmp_path, tiny_target, ngram_chain("pld"))
     with pytest.raises(ConfigError, match="prompts.turns.*chat_template=true"):
         load_experiment(path, ["prompts.turns=2"])
     with pytest.raises(ConfigError, match="prompts.turns: 0"):
