@@ -162,11 +162,12 @@ class Pipeline:
         """Refuse a drafted tree, naming the drafter and tree builder: a tree without its mask, of
         another node count than the builder's ``num_draft_tokens`` (what the KV cache, the
         scheduler and CUDA graphs reserve), with q over another vocabulary, or, where the tree lies
-        on the host (a CPU run), with token ids outside the vocabulary (always: no wait); with
-        ``full`` (``check_drafts``), also the tree's structure, its root (the request's last
-        committed token at its position), its token ids wherever they lie, and its drafts' q (finite, non-negative, and with mass on every sampled node's token at
-        its parent), each read back from the device (a wait per step: for developing drafters,
-        not for timing them)."""
+        on the host (a CPU run), with token ids outside the vocabulary or another root than the
+        request's last committed token at its position (always: no wait; a wrong root silently
+        changes the output); with ``full`` (``check_drafts``), also those wherever the tree lies,
+        the tree's structure, and its drafts' q (finite, non-negative, and with mass on every
+        sampled node's token at its parent), each read back from the device (a wait per step: for
+        developing drafters, not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
         if tree.mask is None:
             raise ValueError(f"{where} returned a tree without its mask (DraftTree.mask, the ancestor-or-self "
@@ -180,11 +181,18 @@ class Pipeline:
         if q is not None and q.shape[-1] != vocab_size:
             raise ValueError(f"{where} returned draft probabilities q over {q.shape[-1]} tokens; the target's "
                              f"vocabulary has {vocab_size}")
-        if full or tree.tokens.device.type == "cpu":  # (an accelerator's ids: only with check_drafts, a wait)
+        if full or tree.tokens.device.type == "cpu":  # (an accelerator's: only with check_drafts, a wait)
             tokens = tree.tokens[tree.valid]
             if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
                 raise ValueError(f"{where} drafted token ids outside [0, {vocab_size}) (the target's vocabulary): "
                                  f"min {int(tokens.min())}, max {int(tokens.max())}")
+            for name, built, want in (("token", tree.tokens[:, 0], roots.tokens),
+                                      ("position", tree.positions[:, 0], roots.positions)):
+                built, want = built.cpu().long(), want.cpu().long()
+                if not torch.equal(built, want):
+                    raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
+                                     f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are "
+                                     f"{want.tolist()}")
         if not full:
             return
         n = tree.num_nodes
@@ -192,12 +200,6 @@ class Pipeline:
             tree.check()
         except AssertionError as e:
             raise ValueError(f"{where} built an invalid draft tree: {e}") from None
-        for name, built, want in (("token", tree.tokens[:, 0], roots.tokens),
-                                  ("position", tree.positions[:, 0], roots.positions)):
-            built, want = built.cpu().long(), want.cpu().long()
-            if not torch.equal(built, want):
-                raise ValueError(f"{where} built a tree whose root {name}s are {built.tolist()}; the requests' "
-                                 f"roots (Roots.{name}s: the last committed token, at seq_len - 1) are {want.tolist()}")
         if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
         if q is not None and n > 1:

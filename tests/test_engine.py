@@ -622,6 +622,17 @@ def test_check_drafts_refuses_a_tree_whose_root_is_not_the_requests(tiny_target,
         engine.generate(PROMPTS[:2], GREEDY)
 
 
+@pytest.mark.parametrize("field, by", [("positions", 1), ("tokens", 1)])
+def test_a_wrong_root_on_the_host_is_refused_without_check_drafts(tiny_target, field, by):
+    """A tree on the host has its root checked without check_drafts too (no wait): else it would
+    change the output silently."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, _shifted(field, by), {"type": "greedy"}, device="cpu",
+                        dtype="float32")
+    message = rf"built a tree whose root {field} are \[\d+, \d+\]; the requests' roots"
+    with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain " + message):
+        engine.generate(PROMPTS[:2], GREEDY)
+
+
 class BrokenVerifier:
     """Exact match, then one mistake in the verdict (``bug``)."""
 
