@@ -74,6 +74,7 @@ class SpeculativeDecoding:
             contexts=seqs,
             generators=[r.generator for r in batch],
             greedy=torch.tensor([r.params.greedy for r in batch]),
+            check_drafts=self.engine.check_drafts,
         )
 
     def speculating(self, batch: list[Request]) -> list[int]:

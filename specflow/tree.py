@@ -31,6 +31,7 @@ class Roots:
     contexts: list[list[int]]  # committed token ids per request, root included (for n-gram lookup)
     generators: list[torch.Generator] | None = None  # per request, for builders that sample drafts
     greedy: Tensor | None = None  # [B] bool: temperature-0 requests (sampling builders take top-k)
+    check_drafts: bool = False  # the engine's: GrowingTree.expand checks each answer's log-probs (a wait each)
 
     @property
     def batch_size(self) -> int:
@@ -41,7 +42,7 @@ class Roots:
         return Roots([self.request_ids[r] for r in rows], self.tokens[rows], self.positions[rows],
                      [self.contexts[r] for r in rows],
                      None if self.generators is None else [self.generators[r] for r in rows],
-                     None if self.greedy is None else self.greedy[rows])
+                     None if self.greedy is None else self.greedy[rows], self.check_drafts)
 
 
 @dataclass(slots=True)

@@ -545,6 +545,37 @@ def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, 
         engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
 
 
+class LogprobsDrafter(StatelessDrafter):
+    """Proposes tokens 5, 6, ... under every node with log-probs ``logprobs`` (one per child)."""
+
+    def __init__(self, logprobs: list[float]):
+        self.logprobs = logprobs
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        tokens = (5 + torch.arange(frontier.k)).expand(b, f, -1)
+        return Expansion(tokens, torch.tensor(self.logprobs).expand(b, f, -1))
+
+
+@pytest.mark.parametrize("logprobs, message", [
+    ([float("nan"), -1.0], r"NaN log-probs"),
+    ([0.5, -1.0], r"log-probs above 0 \(max 0\.5\)"),
+    ([-2.0, -1.0], r"log-probs that do not descend along k"),
+])
+def test_check_drafts_refuses_log_probs_a_builder_would_misread(tiny_target, logprobs, message):
+    """A NaN log-prob reads as "no child" and one above 0 is clamped, so without check_drafts the
+    drafter just looks weak (output unchanged); with it, each expansion is refused by name."""
+    tree = {"type": "static", "choices": [[0], [1], [0, 0], [0, 1]]}
+    plain = SpecEngine(tiny_target, device="cpu", dtype="float32").generate(PROMPTS[:2], GREEDY)
+    weak = SpecEngine(tiny_target, LogprobsDrafter(logprobs), tree, {"type": "greedy"}, device="cpu",
+                      dtype="float32").generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in weak] == [o.token_ids for o in plain]
+    checked = SpecEngine(tiny_target, LogprobsDrafter(logprobs), tree, {"type": "greedy"}, device="cpu",
+                         dtype="float32", check_drafts=True)
+    with pytest.raises(ValueError, match="LogprobsDrafter.expand returned " + message):
+        checked.generate(PROMPTS[:2], GREEDY)
+
+
 class MisshapenQDrafter(StatelessDrafter):
     """Proposes token 5 under every node, with a q of shape ``shape(b, f)`` when asked."""
 

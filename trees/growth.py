@@ -80,6 +80,8 @@ class GrowingTree:
             raise ValueError(f"{name}.expand returned tokens {tuple(out.tokens.shape)} and logprobs "
                              f"{tuple(out.logprobs.shape)}; the frontier asks for [B, F, k] = {(b, f, k)}")
         tokens, logprobs = out.tokens.long(), out.logprobs.float()
+        if self.roots.check_drafts:
+            check_logprobs(name, logprobs, nodes)
         sampled = torch.zeros_like(tokens, dtype=torch.bool)
         if not self.sample:
             return tokens, logprobs, sampled
@@ -140,6 +142,21 @@ class GrowingTree:
             self.draft_probs = q.new_zeros(b, self.capacity + 1, v)
         cols = torch.where(nodes >= 0, nodes, self.capacity)  # -1 -> the sink
         self.draft_probs.scatter_(1, cols.unsqueeze(-1).expand(b, f, v), q)
+
+
+def check_logprobs(name: str, logprobs: Tensor, nodes: Tensor) -> None:
+    """Refuse, naming the drafter, an expansion's log-probs [B, F, k] under real frontier nodes
+    [B, F] that are NaN, above 0 (past float rounding) or not descending: the builders would read
+    a NaN as "no child" and clamp the others, so a broken drafter would look like a weak one."""
+    real = (nodes >= 0)[..., None].expand_as(logprobs)                                 # [B, F, k]
+    if bool((logprobs.isnan() & real).any()):
+        raise ValueError(f"{name}.expand returned NaN log-probs (-inf says \"no child\")")
+    if bool(((logprobs > 1e-5) & real).any()):
+        raise ValueError(f"{name}.expand returned log-probs above 0 (max {float(logprobs[real].max()):.4g}): "
+                         f"log q(child | path) is <= 0")
+    if bool(((logprobs[..., 1:] > logprobs[..., :-1]) & real[..., 1:]).any()):
+        raise ValueError(f"{name}.expand returned log-probs that do not descend along k: children come "
+                         f"most likely first")
 
 
 def draw_without_replacement(q: Tensor, k: int, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
