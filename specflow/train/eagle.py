@@ -45,6 +45,11 @@ class EagleRecipeConfig:
 
     def __post_init__(self):
         check_at_least(self, 1, "num_layers")
+        if not (self.feature_weight >= 0 and self.logit_weight >= 0 and self.feature_weight + self.logit_weight > 0):
+            raise ValueError(f"feature_weight and logit_weight must be >= 0, one of them > 0 (else nothing is "
+                             f"learnt), got {self.feature_weight} and {self.logit_weight}")
+        if not self.noise >= 0:
+            raise ValueError(f"noise must be >= 0 (the width of the uniform noise on input features), got {self.noise}")
 
 
 def new_eagle_head(target: LlamaForCausalLM, num_layers: int, bias: bool) -> EagleHead:

@@ -123,6 +123,11 @@ class DistillRecipeConfig:
     alpha: float = 1.0                     # weight of soft-CE(target) against CE(labels)
     save_dtype: str = "float32"
 
+    def __post_init__(self):
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1] (the weight of soft-CE(target) against CE(labels)), "
+                             f"got {self.alpha}")
+
 
 def export_llama(state: dict[str, Tensor], cfg: ModelConfig, out: Path, dtype: str, tokenizer_dir: str | Path) -> None:
     """Write a plain Hugging Face Llama checkpoint (config, safetensors, tokenizer) from ``model.*`` keys."""

@@ -51,6 +51,10 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
     ("eagle", "optim.lr=-1", "train.optim: lr must be > 0, got -1"),
     ("eagle3", "recipe.decay=-1", "decay must be > 0"),
     ("medusa", "recipe.decay=0", "decay must be > 0"),
+    ("eagle", "recipe.logit_weight=-1", r"feature_weight and logit_weight must be >= 0, one of them > 0"),
+    ("eagle", ["recipe.feature_weight=0", "recipe.logit_weight=0"], r"one of them > 0 .*got 0.0 and 0.0"),
+    ("eagle", "recipe.noise=-1", r"train.recipe \(recipe 'eagle'\): noise must be >= 0"),
+    ("draft", "recipe.alpha=1.5", r"alpha must be in \[0, 1\]"),
     ("eagle3", "recipe.draft_vocab_size=100000", r"train.recipe.draft_vocab_size: 100000 is more than the "
                                                  r"target's vocabulary \(2048 tokens\); use 1..2048"),
     ("eagle3", "recipe.unroll=256", r"train.recipe.unroll: .*below data.seq_len \(256\)"),
@@ -66,7 +70,7 @@ def test_misspelt_keys_name_the_valid_ones(override, named):
 ])
 def test_bad_values_fail_when_the_config_loads(config, override, named):
     with pytest.raises(ConfigError, match=named):
-        load_train_config(CONFIGS[0].parent / f"{config}.yaml", [override])
+        load_train_config(CONFIGS[0].parent / f"{config}.yaml", override if isinstance(override, list) else [override])
 
 
 @pytest.mark.parametrize("override, named", [
