@@ -258,7 +258,7 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
                "torch_version": torch.__version__, "git_commit": git_commit(),
                "git_dirty": git_dirty(), "plugins": plugin_sources(),
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
-               "turns": cfg.prompts.turns,
+               "turns": cfg.prompts.turns, "check_drafts": e.check_drafts,
                "repeats": cfg.repeats, "sampling": dataclasses.asdict(cfg.sampling),
                "pipelines": {"baseline": summarize(baseline, None)}}
     results["pipelines"]["baseline"] |= {"speedup": 1.0, "run_seconds": baseline_seconds,

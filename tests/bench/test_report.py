@@ -82,3 +82,18 @@ def test_a_declared_lossless_pipeline_that_parts_from_greedy_baseline_is_flagged
     results["sampling"]["temperature"] = 0.8
     write_report(results, rows, tmp_path)
     assert "§" not in (tmp_path / "results.md").read_text()
+
+
+def test_times_taken_with_check_drafts_on_are_marked(tmp_path):
+    """check_drafts waits for the device every step; a run timed with it on said nothing of it
+    outside config.yaml."""
+    base = {"prompts": 1, "tokens": 8, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+            "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0}}}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 1,
+               "repeats": 1, "sampling": {"temperature": 0.0, "max_tokens": 8}, "torch_version": "2.5",
+               "git_commit": None, "check_drafts": False, "pipelines": {"baseline": base}}
+    rows = {"baseline": [{"accept_lengths": [1] * 8}]}
+    write_report(results, rows, tmp_path)
+    assert "check_drafts" not in (tmp_path / "results.md").read_text()
+    write_report(results | {"check_drafts": True}, rows, tmp_path)
+    assert "**engine.check_drafts is on**: each step" in (tmp_path / "results.md").read_text()
