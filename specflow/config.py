@@ -135,10 +135,14 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    given: set[str] = set()
     for override in overrides or []:
         key, eq, _ = override.partition("=")
         if not eq or not key:
             raise ConfigError(f"override '{override}' must look like key=value")
+        if key in given:
+            raise ConfigError(f"override {key} is given twice; give it once")
+        given.add(key)
         _check_indices(cfg, key, override)
         try:  # (update, not merge: a key may index a list, as in pipelines.0.tree.depth=3)
             value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)  # the value parsed as YAML

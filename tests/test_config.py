@@ -106,6 +106,9 @@ def test_experiment_typo_and_override(tmp_path):
         load_experiment(path, ["sampling.max_tokenz=3"])
     cfg, _ = load_experiment(path, ["sampling.max_tokens=3"])
     assert cfg.sampling.max_tokens == 3
+    # (the last one silently won: refused, as sweep refuses a key given twice)
+    with pytest.raises(ConfigError, match="override sampling.max_tokens is given twice; give it once"):
+        load_experiment(path, ["sampling.max_tokens=3", "batch_size=2", "sampling.max_tokens=4"])
 
 
 def test_a_component_node_without_a_type_is_an_error_not_the_default_type():
