@@ -273,7 +273,8 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
             run_seconds = [batch_seconds(r) for r in runs[p.name]]  # (before fastest() sets the last run's)
             rows = fastest(runs[p.name])
             results["pipelines"][p.name] = summarize(rows, baseline) | {
-                "lossless": engine.verifier.lossless, "run_seconds": run_seconds, **context_cuts(rows, prompts, cfg),
+                "lossless": engine.verifier.lossless, "num_draft_tokens": engine.pipeline.tree.num_draft_tokens,
+                "run_seconds": run_seconds, **context_cuts(rows, prompts, cfg),
                 "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)
         save()

@@ -62,7 +62,7 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     verifier: {type: typical}
   - name: self-eagle2
     drafter: {type: draft_model, path: %s, kv_cache_tokens: 4096}
-    tree: {type: eagle2, topk: 2, depth: 3, num_draft_tokens: 6}
+    tree: {type: eagle2, topk: 2, depth: 3, num_draft_tokens: 64}
     verifier: {type: rejection}""" % tiny_target)
     assert main(["run", str(path), "sampling.max_tokens=6", "engine.record_steps=true"]) == 0
     out = tmp_path / "runs" / "tiny"
@@ -76,6 +76,8 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
             assert stats["matches_baseline"] == 1.0 and stats["speedup"] > 0
     assert results["pipelines"]["self-eagle2"]["accept_length"] > 1.5  # the target drafting itself
     assert [results["pipelines"][p]["lossless"] for p in ("pld", "self-eagle2")] == [False, True]
+    # the nodes the trees have: eagle2 caps 64 at what topk 2, depth 3 drafts (1 + 2 + 2 * 4)
+    assert [results["pipelines"][p]["num_draft_tokens"] for p in ("pld", "self-eagle2")] == [4, 11]
     assert results["sampling"]["max_tokens"] == 6 and results["torch_version"] == torch.__version__
     if (ROOT / ".git").exists():  # a commit of this checkout (HEAD may have moved on since)
         commit = results["git_commit"]
