@@ -76,7 +76,7 @@ def run_pipeline(engine: SpecEngine, prompts: list[Prompt], cfg: ExperimentConfi
                                   for j in range(size)])
             n += size
     rows, batch, context = [], 0, engine.model.config.max_position_embeddings
-    with tqdm(total=sum(map(len, turns)), desc=desc, unit="prompt", leave=False) as bar:
+    with tqdm(total=sum(map(len, turns)), desc=desc, unit="prompt", leave=False, disable=None) as bar:  # (off in logs)
         for turn in range(cfg.prompts.turns):
             live, texts, params = [], [], []  # questions with this turn, their chats, their SamplingParams
             for i, t in enumerate(turns):

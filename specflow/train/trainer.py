@@ -93,7 +93,7 @@ def train(run: TrainConfig) -> TrainResult:
         trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
     wall = time.time() - start
     if checkpointing:  # the state where training stopped (max_steps, max_time), to continue from
-        trainer.save_checkpoint(checkpoints / "last.ckpt")
+        trainer.save_checkpoint(checkpoints / "last.ckpt", weights_only=False)  # (the whole state, said)
     state = trainer.strategy.lightning_module_state_dict()   # gathered in full under FSDP
     tokens = (trainer.global_step * t.accumulate_grad_batches * trainer.world_size
               * run.optim.batch_size * run.data.seq_len)
