@@ -48,8 +48,8 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
              f"baseline: prompts with the baseline's exact tokens; prompts are seeded, so at temperature > 0 "
              f"the verifiers that follow the target's draws (greedy; rejection over top-k drafts) match too and "
              f"the other lossless ones are exact in distribution only.", "",
-             *([f"**engine.check_drafts is on**: each step of a pipeline waits to check its tree and verdict, "
-                f"so its times and speedup are a developer's check, not a benchmark.", ""]
+             *(["**engine.check_drafts is on**: each step of a pipeline waits to check its tree and verdict, "
+                "so its times and speedup are a developer's check, not a benchmark.", ""]
                if results.get("check_drafts") else []),
              "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline | p50 s | p99 s |",
              "|---|---|---|---|---|---|---|---|"]
