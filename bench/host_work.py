@@ -16,7 +16,7 @@ the verifier's argmax, are kernels on a GPU too; so is a sampled verifier's work
 [B, N, V] probabilities, which makes its times here larger than its ops). One thread, best of 3. The ``_ops`` columns
 count the torch ops a step dispatches outside that device work: each is a kernel launch or a
 host op on a GPU, and unlike the times they do not depend on the machine (a CPU run's spec step
-also checks its tree's token ids and root on the host, about 15 ops a GPU step leaves out).
+also checks its tree's structure, token ids and root on the host, about 50 ops a GPU step leaves out).
 """
 
 from __future__ import annotations

@@ -161,13 +161,13 @@ class Pipeline:
     def check_tree(self, tree: DraftTree, roots: Roots, vocab_size: int, full: bool = False) -> None:
         """Refuse a drafted tree, naming the drafter and tree builder: a tree without its mask, of
         another node count than the builder's ``num_draft_tokens`` (what the KV cache, the
-        scheduler and CUDA graphs reserve), with q over another vocabulary, or, where the tree lies
-        on the host (a CPU run), with token ids outside the vocabulary or another root than the
-        request's last committed token at its position (always: no wait; a wrong root silently
-        changes the output); with ``full`` (``check_drafts``), also those wherever the tree lies,
-        the tree's structure, and its drafts' q (finite, non-negative, and with mass on every
-        sampled node's token at its parent), each read back from the device (a wait per step: for
-        developing drafters, not for timing them)."""
+        scheduler and CUDA graphs reserve), or with q over another vocabulary; where the tree lies
+        on the host (a CPU run), also a broken structure (DraftTree.check), token ids outside the
+        vocabulary, or another root than the request's last committed token at its position
+        (always: no wait; a wrong root, depth, position or mask silently changes the output). With
+        ``full`` (``check_drafts``), those wherever the tree lies, and its drafts' q (finite,
+        non-negative, and with mass on every sampled node's token at its parent), each read back
+        from the device (a wait per step: for developing drafters, not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
         if tree.mask is None:
             raise ValueError(f"{where} returned a tree without its mask (DraftTree.mask, the ancestor-or-self "
@@ -182,6 +182,10 @@ class Pipeline:
             raise ValueError(f"{where} returned draft probabilities q over {q.shape[-1]} tokens; the target's "
                              f"vocabulary has {vocab_size}")
         if full or tree.tokens.device.type == "cpu":  # (an accelerator's: only with check_drafts, a wait)
+            try:
+                tree.check()
+            except ValueError as e:
+                raise ValueError(f"{where} built an invalid draft tree: {e}") from None
             tokens = tree.tokens[tree.valid]
             if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
                 raise ValueError(f"{where} drafted token ids outside [0, {vocab_size}) (the target's vocabulary): "
@@ -196,10 +200,6 @@ class Pipeline:
         if not full:
             return
         n = tree.num_nodes
-        try:
-            tree.check()
-        except AssertionError as e:
-            raise ValueError(f"{where} built an invalid draft tree: {e}") from None
         if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")
         if q is not None and n > 1:

@@ -190,26 +190,39 @@ class DraftTree:
         return path[::-1]
 
     def check(self) -> None:
-        """Assert the structural invariants (used by tests and debug runs)."""
+        """Raise ValueError naming the first broken structural invariant: the root at node 0 and
+        valid, every other node's parent before it, depth = parent depth + 1 (within
+        ``max_depth``), positions = root position + depth, a valid node's parent valid,
+        ``draft_probs`` where nodes are sampled, and ``mask`` the ancestor-or-self mask of
+        ``parents``. One read back to the host when the tree is sound (a CPU run checks every tree)."""
         b, n = self.tokens.shape
-        idx = torch.arange(n, device=self.parents.device)
-        assert (self.parents[:, 0] == -1).all(), "node 0 must be the root"
-        assert self.valid[:, 0].all(), "the root must be valid"
-        if n > 1:
-            assert (self.parents[:, 1:] < idx[1:]).all(), "parents must precede children"
-            assert (self.parents[:, 1:] >= 0).all(), "only the root has no parent"
-            parent_depth = self.depth.gather(1, self.parents[:, 1:].clamp(min=0))
-            assert (self.depth[:, 1:] == parent_depth + 1).all(), "depth = parent depth + 1"
-            parent_valid = self.valid.gather(1, self.parents[:, 1:].clamp(min=0))
-            assert (parent_valid | ~self.valid[:, 1:]).all(), "a valid node's parent must be valid"
-        assert self.draft_probs is not None or not (self.sampled & self.valid).any(), \
-            "sampled nodes need draft_probs (q at their parent, which the rejection rule reads)"
-        assert (self.positions == self.positions[:, :1] + self.depth).all(), "positions = root position + depth"
+        for name in ("parents", "depth", "positions", "scores", "valid", "sampled"):
+            if (shape := tuple(getattr(self, name).shape)) != (b, n):
+                raise ValueError(f"{name} has shape {shape}; tokens' is [B, N] = {[b, n]}")
+        if self.mask is not None and self.mask.shape != (b, n, n):
+            raise ValueError(f"mask has shape {tuple(self.mask.shape)}, not [B, N, N] = {[b, n, n]}")
+        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device)                   # [N, N]
+        parents = self.parents[:, 1:]                                                      # [B, N - 1]
+        at = parents.clamp(0, max(n - 1, 0))
+        checks = [("node 0 must be the root", self.parents[:, :1] == -1),
+                  ("the root must be valid", self.valid[:, :1]),
+                  ("every node but the root has a parent, before it",
+                   (parents >= 0) & (parents < torch.arange(1, n, device=parents.device))),
+                  ("depth = parent depth + 1", self.depth[:, 1:] == self.depth.gather(1, at) + 1),
+                  ("a valid node's parent must be valid", self.valid.gather(1, at) | ~self.valid[:, 1:]),
+                  ("positions = root position + depth", self.positions == self.positions[:, :1] + self.depth)]
         if self.max_depth is not None:
-            assert int(self.depth.max()) <= self.max_depth, "max_depth bounds every node's depth"
-        if self.mask is not None:
-            assert torch.equal(self.mask.cpu(), ancestor_mask(self.parents).cpu()), \
-                "mask must be the ancestor-or-self mask of parents (ancestor_mask)"
+            checks.append(("max_depth bounds every node's depth", self.depth <= self.max_depth))
+        if self.draft_probs is None:
+            checks.append(("sampled nodes need draft_probs (q at their parent, which the rejection rule reads)",
+                           ~(self.sampled & self.valid)))
+        if self.mask is not None:  # row 0 the root alone, row i column i | its parent's row: by induction
+            parent_rows = self.mask.gather(1, at[..., None].expand(-1, -1, n))             # [B, N - 1, N]
+            checks.append(("mask must be the ancestor-or-self mask of parents (ancestor_mask)",
+                           self.mask == torch.cat([eye[:1].expand(b, 1, n), parent_rows | eye[1:]], 1)))
+        if bool(torch.cat([ok.flatten(1) for _, ok in checks], 1).all()):
+            return
+        raise ValueError(next(message for message, ok in checks if not bool(ok.all())))
 
     def to_json(self) -> list[dict]:
         """Every request's tree as plain lists (for StepRecord), brought to the host in one copy."""

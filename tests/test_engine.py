@@ -11,7 +11,7 @@ from specflow import SamplingParams, SpecEngine
 from specflow.config import ConfigError
 from specflow.pipeline import EngineConfig
 from specflow.registry import TREE_BUILDERS, VERIFIERS
-from specflow.tree import Expansion, Frontier
+from specflow.tree import Expansion, Frontier, ancestor_mask
 from tests.stateless import StatelessDrafter
 from tests.test_chunked_prefill import prefill_sizes
 
@@ -606,9 +606,7 @@ def test_a_q_of_the_wrong_shape_is_named_with_its_drafter(tiny_target, shape, me
 
 
 def _shifted(field: str, by: int):
-    """A chain builder whose trees have ``field`` of the root moved by ``by``."""
-    import dataclasses
-
+    """A chain builder whose trees have ``field`` of the root moved by ``by``, or are broken there."""
     from trees.chain import ChainBuilder
 
     class ShiftedRootChain(ChainBuilder):
@@ -624,6 +622,17 @@ def _shifted(field: str, by: int):
                 mask = tree.mask.clone()
                 mask[:, 1, 2] = True   # node 1 sees its child
                 return dataclasses.replace(tree, mask=mask)
+            if field == "node position":  # node 2 three places past its depth's
+                return dataclasses.replace(tree, positions=tree.positions + torch.tensor([0, 0, 3]))
+            if field == "depth":  # node 2 a level deeper than its parent's child, at that position
+                bump = torch.tensor([0, 0, 1])
+                return dataclasses.replace(tree, depth=tree.depth + bump, positions=tree.positions + bump)
+            if field == "order":  # nodes 1 and 2 swapped, all else (mask included) kept consistent
+                swap, old = torch.tensor([0, 2, 1]), tree.parents[:, [0, 2, 1]]
+                parents = torch.where(old < 0, old, swap[old.clamp(min=0)])
+                moved = {name: getattr(tree, name)[:, swap] for name in
+                         ("tokens", "depth", "positions", "scores", "valid", "sampled")}
+                return dataclasses.replace(tree, parents=parents, mask=ancestor_mask(parents), **moved)
             shifted = getattr(tree, field).clone()
             if field == "tokens":
                 shifted[:, 0] += by
@@ -638,15 +647,11 @@ def _shifted(field: str, by: int):
     ("positions", 1, r"built a tree whose root positions are \[\d+, \d+\]; the requests' roots"),
     ("positions", -2, r"built a tree whose root positions are"),
     ("tokens", 1, r"built a tree whose root tokens are \[\d+, \d+\]; the requests' roots"),
-    ("valid", 0, r"built an invalid draft tree: the root must be valid"),
-    ("valid parent", 0, r"built an invalid draft tree: a valid node's parent must be valid"),
-    ("sampled", 0, r"built an invalid draft tree: sampled nodes need draft_probs"),
-    ("mask", 0, r"built an invalid draft tree: mask must be the ancestor-or-self mask of parents"),
 ])
 def test_check_drafts_refuses_a_tree_whose_root_is_not_the_requests(tiny_target, field, by, message):
     """A tree at the wrong positions (RoPE) or over the wrong root token is structurally sound and
     verifies without an error, but its greedy output is no longer plain decoding's: check_drafts
-    names it, as it names every broken invariant (with a message, not an empty assertion)."""
+    names it."""
     engine = SpecEngine(tiny_target, {"type": "ngram"}, _shifted(field, by), {"type": "greedy"}, device="cpu",
                         dtype="float32", check_drafts=True)
     with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain " + message):
@@ -661,6 +666,28 @@ def test_a_wrong_root_on_the_host_is_refused_without_check_drafts(tiny_target, f
                         dtype="float32")
     message = rf"built a tree whose root {field} are \[\d+, \d+\]; the requests' roots"
     with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain " + message):
+        engine.generate(PROMPTS[:2], GREEDY)
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("field, message", [
+    ("valid", r"the root must be valid"),
+    ("valid parent", r"a valid node's parent must be valid"),
+    ("sampled", r"sampled nodes need draft_probs"),
+    ("mask", r"mask must be the ancestor-or-self mask of parents"),
+    ("node position", r"positions = root position \+ depth"),
+    ("depth", r"depth = parent depth \+ 1"),
+    ("order", r"every node but the root has a parent, before it"),
+])
+def test_a_tree_of_broken_structure_is_refused_by_name(tiny_target, field, message, check):
+    """A tree on the host has its structure checked without check_drafts too (no wait): unchecked,
+    a node's position other than its depth's verified without an error and changed every greedy
+    output here, and other broken structures failed deep in a verifier or drafter. Each broken
+    invariant is named (a message, not an empty assertion)."""
+    engine = SpecEngine(tiny_target, {"type": "ngram"}, _shifted(field, 0), {"type": "greedy"}, device="cpu",
+                        dtype="float32", check_drafts=check)
+    with pytest.raises(ValueError, match="the NgramDrafter drafter with the ShiftedRootChain built an invalid "
+                                         "draft tree: " + message):
         engine.generate(PROMPTS[:2], GREEDY)
 
 
