@@ -93,6 +93,8 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
         echoed = [p if isinstance(p, str) else self.loop.engine.decode(p) for p in body.prompts()] if body.echo else []
+        # an echoed text prompt is the text as sent, special tokens written in it too (their text takes room)
+        as_sent = [isinstance(p, str) for p in body.prompts()]
         offsets = collections.defaultdict(lambda: TextOffsets(self._bytes))   # choice -> its text offsets
         started: set[int] = set()   # choices whose first chunk was sent (streaming)
 
@@ -104,14 +106,16 @@ class OpenAIServing:
             if not generates:
                 text, token_ids, logprobs = "", [], None if logprobs is None else []
                 finish_reason = None if finish_reason is None else "length"
+            shown = 0   # leading tokens whose text is in the text even if special: a text prompt echoed as sent
             if body.echo and index not in started:
                 started.add(index)
                 prompt = prompts[index // body.n]
                 text, token_ids = echoed[index // body.n] + text, prompt + token_ids
+                shown = len(prompt) if as_sent[index // body.n] else 0
                 if logprobs is not None:   # (a choice cancelled before its prefill has no prompt logprobs: nulls)
                     scored = prompt_logprobs or []
                     logprobs = scored + [None] * (len(prompt) - len(scored)) + logprobs
-            lp = None if logprobs is None else self._completion_logprobs(token_ids, logprobs, offsets[index])
+            lp = None if logprobs is None else self._completion_logprobs(token_ids, logprobs, offsets[index], shown)
             return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=lp)
 
         def chunk(d: Delta) -> CompletionResponse:
@@ -262,14 +266,15 @@ class OpenAIServing:
         return self._token_text[token_id]
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None],
-                             offsets: TextOffsets) -> CompletionLogprobs:
+                             offsets: TextOffsets, shown: int = 0) -> CompletionLogprobs:
         """Legacy completions format: each token's string, log-probability, top alternatives
         (plus the chosen token) keyed by string, and its character offset in the choice's text
-        (``offsets``, which walks it); None for an echoed prompt's first token."""
+        (``offsets``, which walks it; the first ``shown`` tokens' text is there even when they are
+        special: an echoed text prompt); None for an echoed prompt's first token."""
         tokens = [self._text(t) for t in token_ids]
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
-            text_offset=[offsets(t) for t in token_ids],
+            text_offset=[offsets(t, i < shown) for i, t in enumerate(token_ids)],
             top_logprobs=[None if lp is None else {**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
                           for tok, lp in zip(tokens, logprobs)])
 

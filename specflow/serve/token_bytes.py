@@ -53,14 +53,17 @@ class TokenBytes:
 class TextOffsets:
     """``offsets(token_id)`` -> the character offset in the completion's text where each next
     token starts: where its first byte falls (a token that starts mid-character gets that
-    character's offset; special tokens, which the text leaves out, take no room)."""
+    character's offset; special tokens, which the text leaves out, take no room, but in an
+    echoed text prompt, which keeps them as sent)."""
 
     def __init__(self, token_bytes: TokenBytes):
         self.token_bytes, self.chars = token_bytes, 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def __call__(self, token_id: int) -> int:
+    def __call__(self, token_id: int, shown: bool = False) -> int:
+        """``shown``: the text holds this token's own text even when it is a special token (an
+        echoed text prompt that wrote one, as sent)."""
         offset = self.chars
-        if token_id not in self.token_bytes.special:
+        if shown or token_id not in self.token_bytes.special:
             self.chars += len(self._decoder.decode(bytes(self.token_bytes(token_id))))
         return offset

@@ -244,6 +244,22 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
     assert without.choices[0].text.startswith(reference.decode([5, 6, 7])) and without.choices[0].logprobs is None
 
 
+def test_echo_offsets_count_a_special_token_written_in_the_prompt(client):
+    """A text prompt that writes a special token (``<|endoftext|>``) is echoed as sent, so that
+    token takes its own characters in ``text_offset``: every prompt token starts where its text is."""
+    prompt = PROMPTS[0] + "<|endoftext|>" + PROMPTS[1]
+    body = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0.0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    choice, n_prompt = whole.choices[0], whole.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and "<|endoftext|>" in lp.tokens[:n_prompt]
+    assert [choice.text[o:o + len(t)] for t, o in zip(lp.tokens, lp.text_offset)][:n_prompt] == lp.tokens[:n_prompt]
+    assert lp.text_offset[n_prompt] == len(prompt)
+    streamed = list(client.completions.create(stream=True, **body))
+    assert sum((c.choices[0].logprobs.text_offset for c in streamed), []) == lp.text_offset
+
+
 # a tree's forward and a decode step sum in other orders: float32 logprobs differ by ~1e-5 (torch 2.5)
 FLOAT32_SUMS = dict(atol=1e-4, rtol=1e-5)
 
