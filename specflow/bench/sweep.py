@@ -95,6 +95,7 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
     for override in overrides or []:  # (the grid's value would silently win)
         if (key := override.partition("=")[0].strip()) in swept:
             raise ConfigError(f"sweep: {key} is both an override and a --grid key; give it once")
+    load_experiment(path, overrides)  # the command line's overrides alone: their errors are not a grid point's
     plan = {}
     for values in itertools.product(*run_axes.values()):
         name = point_name(run_axes, values)

@@ -385,6 +385,13 @@ def test_sweep_checks_every_grid_point_before_the_target_loads(tmp_path, capsys,
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_sweep_blames_a_bad_override_on_the_override_not_a_grid_point(tmp_path, capsys):
+    path = write_config(tmp_path, "no/such/target", ngram_chain())
+    assert main(["sweep", str(path), "--grid", "tree.depth=2,3", "sampling.max_tokns=4"]) == 2
+    err = capsys.readouterr().err
+    assert "experiment.sampling: unknown key 'max_tokns'" in err and "--grid point" not in err
+
+
 def test_bad_config_exits_with_a_clear_message(tmp_path, tiny_target, capsys):
     path = write_config(tmp_path, tiny_target, """
   - name: typo
