@@ -125,8 +125,9 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
     """Read a YAML file and apply ``key=value`` dotlist overrides on top.
 
     An override merges into the node it names, except where it switches a component's type
-    (``tree.type=chain``, or ``tree={type: static, preset: medusa_63}`` over another type): the
-    node is then replaced, so the old type's keys do not carry over to the new one.
+    (``tree.type=chain``, or ``tree={type: static, preset: medusa_63}`` over another type, also
+    inside a larger mapping: ``pipelines.0={drafter: {type: mine}}``): the node is then replaced,
+    so the old type's keys do not carry over to the new one.
     """
     path = Path(path)
     if not path.exists():
@@ -150,7 +151,11 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> DictConfi
             if last == "type" and _switches_type(OmegaConf.select(cfg, parent) if parent else None, value):
                 key, value = parent, {"type": value}
             old = OmegaConf.select(cfg, key)
-            merge = not (isinstance(value, (dict, DictConfig)) and "type" in value and _switches_type(old, value["type"]))
+            if isinstance(value, (dict, DictConfig)) and isinstance(old, DictConfig):
+                value, merge = _merged(old, value), False  # (a component inside it whose type switches: replaced)
+            else:
+                merge = not (isinstance(value, (dict, DictConfig)) and "type" in value
+                             and _switches_type(old, value["type"]))
             OmegaConf.update(cfg, key, value, merge=merge)
         except yaml.YAMLError as e:  # (a glob's * reads as a YAML alias, a leading % as a directive)
             raise ConfigError(f"override '{override}': the value is not valid YAML ({str(e).splitlines()[0]}); "
@@ -175,10 +180,24 @@ def _check_indices(cfg: DictConfig, key: str, override: str) -> None:
             return
 
 
+def _merged(old: Any, new: Any) -> Any:
+    """``new`` merged into ``old`` as an override merges, but a mapping whose ``type`` switches a
+    component's (at any depth: ``pipelines.0={drafter: {type: mine}}`` over another drafter)
+    replaces that node, keys and all; lists and scalars replace."""
+    if not isinstance(new, (dict, DictConfig)) or not isinstance(old, (dict, DictConfig)):
+        return new
+    if "type" in new and _switches_type(old, new["type"]):
+        return new
+    out = {k: old[k] for k in old.keys()} if isinstance(old, dict) else OmegaConf.to_container(old, resolve=False)
+    for k, v in new.items():
+        out[k] = _merged(out.get(k), v)
+    return out
+
+
 def _switches_type(node: Any, new_type: Any) -> bool:
     """Whether ``node`` is a component (a mapping with a ``type``, or a type name) of another type
     than ``new_type``."""
-    old_type = node.get("type") if isinstance(node, DictConfig) else node
+    old_type = node.get("type") if isinstance(node, (dict, DictConfig)) else node
     return isinstance(old_type, str) and old_type != new_type
 
 

@@ -202,6 +202,18 @@ def test_an_override_that_switches_a_component_type_replaces_its_node(tmp_path):
         assert load_experiment(tmp_path / "x.yaml", [override])[1][0].tree == tree, override
 
 
+def test_a_mapping_override_replaces_the_components_inside_it_whose_type_switches(tmp_path):
+    """A whole pipeline (or engine) given as a mapping: a drafter of another type inside it gets
+    none of the old drafter's keys (fallback's ``drafters`` are no ngram key); same-type nodes merge."""
+    dump_yaml({"engine": {"target": "t"}, "pipelines": [
+        {"name": "p", "drafter": {"type": "fallback", "drafters": [{"type": "ngram"}]},
+         "tree": {"type": "eagle2", "topk": 2, "depth": 3}}]}, tmp_path / "x.yaml")
+    pipeline = load_experiment(tmp_path / "x.yaml", ["pipelines.0={name: q, drafter: {type: ngram, max_window: 2}, "
+                                                     "tree: {type: eagle2, depth: 5}}"])[1][0]
+    assert (pipeline.name, pipeline.drafter, pipeline.tree) == (
+        "q", {"type": "ngram", "max_window": 2}, {"type": "eagle2", "topk": 2, "depth": 5})
+
+
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("pipelines: [1, 2\nname: x\n")
     with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: .* line 1, column"):
