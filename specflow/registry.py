@@ -131,7 +131,7 @@ A verifier accepts a path of the draft tree against the target (specflow.protoco
   verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token;
                                   target_logits [B, N, V] are every node's, penalties applied
                                   (target_probs processes them); a target draw at a node of
-                                  depth d uses sampling.draws(D)[:, d] (next_tokens' default is
+                                  depth d uses sampling.draws(D, device)[:, d] (next_tokens' default is
                                   the root's: one uniform at every depth is lossy), so seeded
                                   runs reproduce plain decoding;
                                   a walk that tests drafts with coins (sampling.coins) takes

@@ -278,7 +278,7 @@ def next_tokens(logits: Tensor, sampling: SamplingBatch, u: Tensor | None = None
     greedy rows, else a draw from the processed distribution with uniform ``u`` [B] (default:
     the row's draw for ``sampling.positions``, the token after the root). Nothing is read back:
     the host does not wait. A verifier drawing at a node of depth d passes that depth's uniform,
-    ``sampling.draws(depth_bound)[:, d]``: one uniform at every depth would correlate its draws."""
+    ``sampling.draws(tree.depth_bound(), device)[:, d]``: one uniform at every depth would correlate its draws."""
     if bool(sampling.greedy.all()):
         return logits.argmax(-1)
     probs = target_probs(logits[:, None], sampling)[:, 0]  # [B, V], greedy rows one-hot
