@@ -90,6 +90,8 @@ def train(run: TrainConfig) -> TrainResult:
         warnings.filterwarnings("ignore", r"Found \d+ module\(s\) in eval mode at the start of training")
         # (Lightning's own use of torch's deprecated LeafSpec: nothing a user can change)
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        if resume is not None:  # (the earlier curves are read above and joined to the new ones)
+            warnings.filterwarnings("ignore", r"Experiment logs directory .* exists and is not empty")
         if trainer.world_size == 1:  # DataOrder resumes mid-epoch, which Lightning cannot see
             warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
         trainer.fit(job.module, train_loader, val_loader, ckpt_path=resume)
