@@ -545,6 +545,23 @@ def test_check_drafts_names_the_drafter_that_broke_a_tree(tiny_target, drafter, 
         engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
 
 
+class FloatTokensDrafter(StatelessDrafter):
+    """Proposes token 5.7 under every node: ids in a float tensor, which a cast would truncate."""
+
+    def expand(self, frontier: Frontier) -> Expansion:
+        b, f = frontier.nodes.shape
+        return Expansion(torch.full((b, f, frontier.k), 5.7), torch.full((b, f, frontier.k), -1.0))
+
+
+def test_token_ids_of_a_float_dtype_are_refused_by_name(tiny_target):
+    """The dtype is known on the host, so it is checked with check_drafts off too."""
+    engine = SpecEngine(tiny_target, FloatTokensDrafter(), {"type": "chain", "depth": 2}, {"type": "greedy"},
+                        device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"FloatTokensDrafter.expand returned tokens of dtype torch.float32; "
+                                         r"they are token ids: torch.long"):
+        engine.generate([PROMPTS[0]], GREEDY)
+
+
 class LogprobsDrafter(StatelessDrafter):
     """Proposes tokens 5, 6, ... under every node with log-probs ``logprobs`` (one per child)."""
 

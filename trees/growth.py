@@ -79,6 +79,9 @@ class GrowingTree:
         if out.tokens.shape != (b, f, k) or out.logprobs.shape != (b, f, k):
             raise ValueError(f"{name}.expand returned tokens {tuple(out.tokens.shape)} and logprobs "
                              f"{tuple(out.logprobs.shape)}; the frontier asks for [B, F, k] = {(b, f, k)}")
+        if out.tokens.dtype.is_floating_point or out.tokens.dtype.is_complex or out.tokens.dtype == torch.bool:
+            raise ValueError(f"{name}.expand returned tokens of dtype {out.tokens.dtype}; they are token ids: "
+                             f"torch.long")
         tokens, logprobs = out.tokens.long(), out.logprobs.float()
         if self.roots.check_drafts:
             check_logprobs(name, logprobs, nodes)
