@@ -165,9 +165,10 @@ class Pipeline:
         on the host (a CPU run), also a broken structure (DraftTree.check), token ids outside the
         vocabulary, or another root than the request's last committed token at its position
         (always: no wait; a wrong root, depth, position or mask silently changes the output). With
-        ``full`` (``check_drafts``), those wherever the tree lies, and its drafts' q (finite,
-        non-negative, and with mass on every sampled node's token at its parent), each read back
-        from the device (a wait per step: for developing drafters, not for timing them)."""
+        ``full`` (``check_drafts``), those wherever the tree lies, its drafts' q (finite,
+        non-negative, and with mass on every sampled node's token at its parent), and a
+        ``max_tries`` below the children a walk can try, each read back from the device (a wait
+        per step: for developing drafters, not for timing them)."""
         where = f"the {type(self.drafter).__name__} drafter with the {type(self.tree).__name__}"
         if tree.mask is None:
             raise ValueError(f"{where} returned a tree without its mask (DraftTree.mask, the ancestor-or-self "
@@ -199,6 +200,10 @@ class Pipeline:
                                      f"{want.tolist()}")
         if not full:
             return
+        if tree.max_tries is not None and (most := int(tree.walk_tries().max())) > tree.max_tries:
+            raise ValueError(f"{where} built a tree whose walk from the root can try {most} children, but its "
+                             f"max_tries is {tree.max_tries}: the rejection walk would stop short of drafts it "
+                             f"holds (still lossless, but they are never tried)")
         n = tree.num_nodes
         if q is not None and not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"{where} returned draft probabilities q with NaN, infinite or negative entries")

@@ -224,6 +224,18 @@ class DraftTree:
             return
         raise ValueError(next(message for message, ok in checks if not bool(ok.all())))
 
+    def walk_tries(self) -> Tensor:
+        """[B, N] the children a walk from the root tries to reach each valid node (at each depth
+        its rank among its valid siblings, plus one) and then to test all of that node's valid
+        children; 0 at padding. ``max_tries`` must bound it (read off ``mask``)."""
+        idx = torch.arange(self.num_nodes, device=self.parents.device)                  # [N]
+        child = self.valid & (idx > 0)                                                  # [B, N]
+        sibling = child[:, None, :] & (self.parents[:, None, :] == self.parents[:, :, None])   # [B, N, N]
+        cost = torch.where(child, (sibling & (idx < idx[:, None])).sum(-1) + 1, 0)      # [B, N] rank + 1
+        reach = torch.where(self.mask & child[:, None, :], cost[:, None, :], 0).sum(-1)  # [B, N] along the path
+        kids = (child[:, None, :] & (self.parents[:, None, :] == idx[:, None])).sum(-1)  # [B, N]
+        return torch.where(self.valid, reach + kids, 0)
+
     def to_json(self) -> list[dict]:
         """Every request's tree as plain lists (for StepRecord), brought to the host in one copy."""
         tokens, parents, depth, scores, valid = (t.tolist() for t in to_host(

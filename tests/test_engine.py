@@ -708,6 +708,23 @@ def test_a_tree_of_broken_structure_is_refused_by_name(tiny_target, field, messa
         engine.generate(PROMPTS[:2], GREEDY)
 
 
+def test_check_drafts_refuses_a_max_tries_below_the_walk_it_bounds(tiny_target):
+    """A max_tries too low stops the rejection walk short: still lossless, so nothing else notices,
+    but the drafts past it are never tried. check_drafts names it."""
+    from trees.static import StaticBuilder
+
+    class Stingy(StaticBuilder):
+        def build(self, drafter, roots):
+            return dataclasses.replace(super().build(drafter, roots), max_tries=1)
+
+    tree = Stingy(choices=[[0], [1], [0, 0]])
+    engine = SpecEngine(tiny_target, {"type": "draft_model", "path": str(tiny_target)}, tree, {"type": "rejection"},
+                        device="cpu", dtype="float32", check_drafts=True)
+    with pytest.raises(ValueError, match=r"the DraftModelDrafter drafter with the Stingy built a tree whose walk "
+                                         r"from the root can try 2 children, but its max_tries is 1"):
+        engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=4, seed=0))
+
+
 class BrokenVerifier:
     """Exact match, then one mistake in the verdict (``bug``)."""
 
