@@ -128,7 +128,9 @@ VERIFIERS = Registry("verifier", """\
 A verifier accepts a path of the draft tree against the target (specflow.protocols.Verifier).
   lossless: bool                - True when the output distribution equals the target's (declared,
                                   not checked: specflow.bench.distribution.check_lossless tests it)
-  verify(tree, target_logits, sampling) -> Verdict: accepted node indices (root first), bonus token;
+  verify(tree, target_logits, sampling) -> Verdict: accepted [B, D + 1] node indices (root
+                                  first; entries past accept_len + 1 are not read, the shipped
+                                  walks put -1), accept_len [B], bonus token [B];
                                   target_logits [B, N, V] are every node's, penalties applied
                                   (target_probs processes them); a target draw at a node of
                                   depth d uses sampling.draws(D, device)[:, d] (next_tokens' default is

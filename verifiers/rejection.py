@@ -11,7 +11,7 @@ from specflow.registry import VERIFIERS
 from specflow.runtime.transfer import to_device
 from specflow.sampling import SamplingBatch, sample_rows, target_probs
 from specflow.tree import DraftTree, Verdict
-from verifiers.walk import exact_match
+from verifiers.walk import exact_match, first_child_next_sibling
 
 
 @dataclass
@@ -116,17 +116,3 @@ def _normalised(x: Tensor, fallback: Tensor) -> Tensor:
     """Rows of x [B, V] over their sums; a row without mass is ``fallback``'s."""
     total = x.sum(-1, keepdim=True)
     return torch.where(total > 0, x / total.clamp(min=1e-300), fallback)
-
-
-def first_child_next_sibling(parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, N] parents and valid -> ``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1
-    for none): a node's valid children in index order."""
-    n = parents.shape[1]
-    idx = torch.arange(n, device=parents.device)
-    child = valid & (idx >= 1)                                                   # [B, N] valid non-roots
-    # is_child[b, i, j]: j is a valid child of i; later[b, i, j]: j is a valid sibling of valid i after it
-    is_child = child[:, None, :] & (parents[:, None, :] == idx[None, :, None])   # [B, N, N]
-    later = (child[:, None, :] & child[:, :, None] & (parents[:, None, :] == parents[:, :, None])
-             & (idx[None, None, :] > idx[None, :, None]))                        # [B, N, N]
-    return (torch.where(is_child.any(-1), is_child.byte().argmax(-1), -1),       # argmax: the first True
-            torch.where(later.any(-1), later.byte().argmax(-1), -1))

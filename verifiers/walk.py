@@ -1,6 +1,7 @@
 """What the verifiers' tree walks share: the walk that takes the first passing child at each depth,
-vectorised over depth on the device, the target probability of each draft token, and the uniform
-a bonus token is drawn with."""
+vectorised over depth on the device, each node's first child and next sibling (for a walk that
+tries siblings in turn), the target probability of each draft token, and the uniform a bonus
+token is drawn with."""
 
 from __future__ import annotations
 
@@ -77,3 +78,17 @@ def draft_token_probs(probs: Tensor, tree: DraftTree) -> Tensor:
     b, n, v = probs.shape
     parents, tokens = to_device([tree.parents, tree.tokens], probs.device)
     return probs.reshape(b, n * v).gather(1, parents.clamp(min=0) * v + tokens)
+
+
+def first_child_next_sibling(parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, N] parents and valid -> ``first_child[b, i]`` and ``next_sibling[b, i]`` ([B, N], -1
+    for none): a node's valid children in index order."""
+    n = parents.shape[1]
+    idx = torch.arange(n, device=parents.device)
+    child = valid & (idx >= 1)                                                   # [B, N] valid non-roots
+    # is_child[b, i, j]: j is a valid child of i; later[b, i, j]: j is a valid sibling of valid i after it
+    is_child = child[:, None, :] & (parents[:, None, :] == idx[None, :, None])   # [B, N, N]
+    later = (child[:, None, :] & child[:, :, None] & (parents[:, None, :] == parents[:, :, None])
+             & (idx[None, None, :] > idx[None, :, None]))                        # [B, N, N]
+    return (torch.where(is_child.any(-1), is_child.byte().argmax(-1), -1),       # argmax: the first True
+            torch.where(later.any(-1), later.byte().argmax(-1), -1))

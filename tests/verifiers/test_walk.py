@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.verifiers.test_greedy import random_trees
-from verifiers.rejection import first_child_next_sibling
+from verifiers.walk import first_child_next_sibling
 from verifiers.walk import accept_path
 
 
