@@ -116,7 +116,8 @@ TREE_BUILDERS = Registry("tree", """\
 A tree builder decides which nodes to expand and which to keep (specflow.protocols.TreeBuilder).
   num_draft_tokens              - node budget N per request, root included
   build(drafter, roots) -> DraftTree: calls drafter.expand as often as its search needs
-                                  (trees.growth.GrowingTree grows one: expand / add / finish;
+                                  (trees.growth.GrowingTree grows one: expand / add / finish,
+                                  its logscores and valid [B, cols] say what it holds so far;
                                   a builder that knows a bound on the children a walk may try
                                   sets the tree's max_tries, as trees/static.py does); every tree
                                   has N nodes (pad with DraftTree.pad_to) and its mask filled
