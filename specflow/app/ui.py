@@ -77,6 +77,12 @@ def lane_outputs(lane: Lane, pool: EnginePool, tag: str) -> list:
             view.tree_html(n), view]
 
 
+def empty_lane_outputs(tag: str) -> list:
+    """The six outputs of a lane that did not run: as the app starts."""
+    slider = gr.Slider(minimum=1, maximum=2, value=1, visible=False)
+    return [f"<div class='sf-lane'>{tag}</div>", "", "", slider, "", None]
+
+
 def replay(step: float, view: LaneView | None) -> tuple[str, str]:
     """Tree and statistics of step ``step`` (1-based) of a generation already streamed."""
     if view is None or not view.steps:
@@ -265,7 +271,9 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
             outs = [f"<div class='sf-status' data-done='{final}'>{states}</div>"]
             for tag, lane in zip("AB", lanes):
                 outs += lane_outputs(lane, pool, tag)
-            return outs + [gr.skip()] * (6 * (2 - len(lanes)))
+            for tag in "AB"[len(lanes):]:  # a lane this run has not: blank, not an earlier run's
+                outs += empty_lane_outputs(tag)
+            return outs
 
         inputs = [prompt, temperature, top_p, top_k, max_tokens, seed, ignore_eos, side_by_side,
                   panel_a.picker, *panel_a.fields, panel_b.picker, *panel_b.fields]

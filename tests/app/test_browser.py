@@ -157,3 +157,19 @@ def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
     assert "A: stopped" in queued.locator("#status").inner_text()
     for p in (running, queued):
         p.close()
+
+
+def test_a_run_without_lane_b_clears_what_lane_b_showed(page):
+    """(lane B kept an earlier side-by-side run's text, tree and "done" under a later prompt it never ran)"""
+    page.locator("#side-by-side input").check()
+    generate(page)
+    assert page.locator("#text-b textarea").input_value()
+    page.locator("#side-by-side input").uncheck()
+    page.locator("#prompt textarea").fill("while True:\n    ")
+    page.locator("#generate").click()
+    page.wait_for_function("document.querySelector('#status').innerText.trim() === 'A: done'", timeout=WAIT_MS)
+    page.locator("#side-by-side input").check()
+    page.wait_for_selector("#lane-b", state="visible")
+    assert page.locator("#text-b textarea").input_value() == ""
+    assert page.locator("#tree-b svg.draft-tree").count() == 0
+    assert "done" not in page.locator("#stats-b").inner_text()
