@@ -241,7 +241,8 @@ class DraftTree:
         tokens, parents, depth, scores, valid = (t.tolist() for t in to_host(
             [self.tokens, self.parents, self.depth, self.scores.float(), self.valid]))
         return [{"tokens": tokens[b], "parents": parents[b], "depth": depth[b],
-                 "scores": [round(s, 6) for s in scores[b]], "valid": valid[b]} for b in range(self.batch_size)]
+                 # 6 significant digits, not decimals: deep paths' scores are tiny, and q is a ratio of two
+                 "scores": [float(f"{s:.6g}") for s in scores[b]], "valid": valid[b]} for b in range(self.batch_size)]
 
 
 def ancestor_mask(parents: Tensor, depth: int | None = None) -> Tensor:

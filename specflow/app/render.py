@@ -42,6 +42,12 @@ def token_label(text: str, limit: int = MAX_CHARS) -> str:
     return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
+def prob_label(q: float) -> str:
+    """q with two decimals, or one significant digit below 0.005 (sampled drafts draw such tokens:
+    "0.00" would read as impossible)."""
+    return f"{q:.2f}" if q == 0 or q >= 0.005 else f"{q:.1g}"
+
+
 def node_probs(tree: dict) -> list[float]:
     """Per-node draft probability q(token | parent): cumulative score over the parent's (root 1)."""
     scores, parents = tree["scores"], tree["parents"]
@@ -132,7 +138,7 @@ def render_tree(record: StepRecord, token_text: Callable[[int], str] = str) -> s
             title = f"root: {text!r} (id {tokens[i]}), the last committed token"
         else:
             kind = "accepted" if i in on_path else "rejected"
-            note = f"{probs[i]:.2f}"
+            note = prob_label(probs[i])
             title = (f"node {i}: {text!r} (id {tokens[i]}), q={probs[i]:.3f}, "
                      f"path prob {tree['scores'][i]:.3f}, {kind}")
             edges.append(_edge(kind, place[parents[i]], pos))

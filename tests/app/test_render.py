@@ -136,3 +136,29 @@ def test_any_tree_renders_to_well_formed_svg_without_overlapping_boxes(case):
                    for g in nodes.values())
     for (x0, y0), (x1, y1) in zip(boxes, boxes[1:]):
         assert x0 != x1 or y1 - y0 >= BOX_H, "two boxes of one column overlap"
+
+
+def test_a_small_q_is_not_shown_as_zero():
+    """(sampled drafting draws tokens q gives 0.004 or less: "0.00" on an accepted node read as impossible)"""
+    tree = {"tokens": [10, 11, 12], "parents": [-1, 0, 1], "depth": [0, 1, 2], "scores": [1.0, 0.0046, 0.0000138],
+            "valid": [True] * 3}
+    record = dataclasses.replace(RECORD, tree=tree, accepted=[0, 1, 2], kept=3)
+    nodes = nodes_of(render_tree(record, TEXT))
+    assert texts(nodes["1"])[1] == "0.005" and texts(nodes["2"])[1] == "0.003"
+
+
+def test_the_q_of_a_deep_unlikely_node_survives_the_step_record():
+    """(StepRecord scores were rounded to 6 decimals: a path probability under 5e-7 became 0 and the
+    app drew q=0.00 for a drafted, even accepted, token; those above kept a digit or two, so q was off)"""
+    import torch
+
+    from specflow.tree import DraftTree
+
+    scores = [1.0, 0.004572, 0.000875, 3.1e-6, 4.2e-9]   # a sampled chain: q 0.0046, 0.19, 0.0035, 0.0014
+    tree = DraftTree(tokens=torch.tensor([[5, 6, 7, 8, 9]]), parents=torch.tensor([[-1, 0, 1, 2, 3]]),
+                     depth=torch.tensor([[0, 1, 2, 3, 4]]), positions=torch.tensor([[3, 4, 5, 6, 7]]),
+                     scores=torch.tensor([scores]), valid=torch.ones(1, 5, dtype=torch.bool),
+                     sampled=torch.ones(1, 5, dtype=torch.bool))
+    probs = node_probs(tree.to_json()[0])
+    for i in range(1, 5):
+        assert abs(probs[i] - scores[i] / scores[i - 1]) <= 1e-4 * scores[i] / scores[i - 1]
