@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specflow.tree import DraftTree, ancestor_mask
+from tests.verifiers.test_rejection import most_tries
 
 
 @st.composite
@@ -61,21 +62,6 @@ def test_check_names_a_field_of_another_shape():
         dataclasses.replace(tree, depth=tree.depth[0]).check()
     with pytest.raises(ValueError, match=r"mask has shape \(1, 3, 2\), not \[B, N, N\] = \[1, 3, 3\]"):
         dataclasses.replace(tree, mask=tree.mask[:, :, :2]).check()
-
-
-def most_tries(tree: DraftTree) -> int:
-    """Reference: over every request and valid node x, the children a walk tries to reach x (at
-    each step its rank among the valid siblings, plus one) and then x's valid children."""
-    most = 0
-    for b in range(tree.batch_size):
-        kids = {i: [c for c in range(1, tree.num_nodes) if tree.valid[b, c] and tree.parents[b, c] == i]
-                for i in range(tree.num_nodes)}
-        tries = {0: 0}
-        for i in range(tree.num_nodes):  # (parents precede children)
-            for rank, c in enumerate(kids[i]):
-                tries[c] = tries[i] + rank + 1
-        most = max(most, *(t + len(kids[i]) for i, t in tries.items()))
-    return most
 
 
 @settings(max_examples=60, deadline=None)
