@@ -149,7 +149,10 @@ def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
     for p in (running, queued):
         p.goto(app_url)
     start_a_long_run(running)
-    queued.locator("#generate").click()
+    # (the run joins the queue once Generate's own reset of Stop has returned: a Stop sent within
+    # milliseconds of Generate could otherwise reach the server first and be cleared by it)
+    with queued.expect_response(lambda r: "queue/join" in r.url, timeout=WAIT_MS):
+        queued.locator("#generate").click()
     queued.locator("#stop").click()
     running.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
     queued.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
