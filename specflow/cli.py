@@ -13,7 +13,7 @@ THREADS_HELP = "torch intra-op threads (default: torch's; small models often run
 
 
 def cmd_list(args: argparse.Namespace) -> None:
-    from specflow.registry import ALL, describe
+    from specflow.registry import ALL, VERIFIERS, describe
 
     for kind, registry in ALL.items():
         print(f"== {kind}s ==")
@@ -21,8 +21,19 @@ def cmd_list(args: argparse.Namespace) -> None:
         for name in registry.names():
             cls, _ = registry.get(name)
             params = ", ".join(f"{n}={d!r}" for n, _, d in describe(cls))
-            print(f"  {name:<12} {params}")
+            label = f"[{_lossless_label(cls)}]" if registry is VERIFIERS else ""
+            print(f"  {name:<12} " + "  ".join(part for part in (params, label) if part))
         print()
+
+
+def _lossless_label(cls: type) -> str:
+    """A verifier's declared ``lossless``: a class attribute, or a property (its docstring says when)."""
+    flag = getattr(cls, "lossless", None)
+    if isinstance(flag, bool):
+        return "lossless" if flag else "lossy"
+    if isinstance(flag, property) and flag.__doc__:
+        return flag.__doc__
+    return "lossless or not: set when built"
 
 
 def _set_threads(threads: int | None) -> None:

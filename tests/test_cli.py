@@ -9,7 +9,8 @@ def test_list_prints_components_with_parameters(capsys):
     out = capsys.readouterr().out
     assert "== drafters ==" in out and "== trees ==" in out and "== verifiers ==" in out
     assert "eagle2       topk=8, depth=5, num_draft_tokens=32" in out
-    assert "threshold    threshold_single=1.0, threshold_acc=1.0" in out
+    assert "threshold    threshold_single=1.0, threshold_acc=1.0  [lossless at threshold_single = threshold_acc = 1.0" in out
+    assert "greedy       [lossless]" in out and "typical      epsilon=0.09, delta=0.3  [lossy]" in out
     assert "expand(frontier) -> Expansion" in out  # the registry's contract
 
 

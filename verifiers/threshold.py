@@ -45,7 +45,11 @@ class ThresholdVerifier:
             raise ValueError(f"threshold verifier: threshold_acc must be in [0, 1], got {threshold_acc}")
         self.threshold_single = threshold_single
         self.threshold_acc = max(threshold_acc, 1e-9)  # as SGLang: no division by zero
-        self.lossless = threshold_single == 1.0 and threshold_acc == 1.0
+
+    @property
+    def lossless(self) -> bool:
+        """lossless at threshold_single = threshold_acc = 1.0, lossy below"""
+        return self.threshold_single == 1.0 and self.threshold_acc == 1.0
 
     @classmethod
     def from_config(cls, cfg: ThresholdConfig, **_) -> "ThresholdVerifier":
