@@ -252,8 +252,8 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
     """Step running lanes in turn, yielding after each round; then add the speedup against plain
     decoding of the same prompt (not to a lane that failed). Plain decoding not measured yet for
     this prompt runs as a hidden lane stepped in the same rounds, so it is timed alongside
-    whatever else the process does meanwhile (the UI's frames), as the lanes are. ``stop`` ends
-    the generation between steps."""
+    whatever else the process does meanwhile (the UI's frames), as the lanes are; it stops when
+    every lane has failed or stopped. ``stop`` ends the generation between steps."""
     def attach(baseline: tuple[float, list[int]]) -> None:
         for lane in lanes:
             if lane.state == "error":
@@ -270,7 +270,9 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
         else:
             plain.append(start_lane(pool, PLAIN, prompt, params, lanes))
         yield lanes
-        while any(lane.state == "running" for lane in lanes + plain):
+        # the hidden lane runs on only to give a lane that finished its speedup: not where all failed
+        while any(lane.state == "running" for lane in lanes) or (
+                any(lane.state == "done" for lane in lanes) and any(lane.state == "running" for lane in plain)):
             if stop.is_set():
                 for lane in lanes + plain:
                     if lane.state == "running":
@@ -282,7 +284,7 @@ def stream(pool: EnginePool, lanes: list[Lane], prompt: str, params: SamplingPar
                     lane.advance()
             yield lanes
         baseline = cached
-        if plain and plain[0].state == "done":  # (kept even where every lane failed: it ran to the end)
+        if plain and plain[0].state == "done":
             baseline = pool.keep_baseline(prompt, params, plain[0])
         # (a cached baseline was attached while the lanes ran: again, for the lanes now done)
         if baseline is not None and any(lane.state == "done" for lane in lanes):
