@@ -94,9 +94,10 @@ class StaticBuilder:
     def __init__(self, choices: list[list[int]] | None = None, preset: str | None = None,
                  sample: bool = False):
         if (choices is None) == (preset is None):
-            raise ValueError("static tree: give exactly one of choices (rank paths) or preset "
-                             f"(one of {', '.join(PRESETS)}); an override merges into the node it "
-                             "overrides, so null the key it had (preset: null or choices: null)")
+            both = ("; an override merges into the node it overrides, so null the key it had (preset: null or "
+                    "choices: null)") if choices is not None else ""
+            raise ValueError("static tree: give exactly one of choices (rank paths, e.g. [[0], [1], [0, 0]]) or "
+                             f"preset (one of {', '.join(PRESETS)}){both}")
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"static tree: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
         self.sample = sample

@@ -125,11 +125,12 @@ class PipelineForm:
                    _params_text(tree), verifier.pop("type"), _params_text(verifier))
 
     def to_pipeline(self) -> PipelineConfig:
-        """The pipeline these fields describe; every node validated (ConfigError naming the field)."""
-        drafter = None
-        if self.drafter_type != NO_DRAFTER:
-            drafter = {"type": self.drafter_type, **_parse_params(self.drafter_params, "drafter params")}
-            component_config(DRAFTERS, drafter, "drafter")
+        """The pipeline these fields describe; every node validated (ConfigError naming the field).
+        Without a drafter it is plain decoding, whatever the (hidden) tree and verifier fields hold."""
+        if self.drafter_type == NO_DRAFTER:
+            return dataclasses.replace(PLAIN, name=self.name)
+        drafter = {"type": self.drafter_type, **_parse_params(self.drafter_params, "drafter params")}
+        component_config(DRAFTERS, drafter, "drafter")
         try:
             declared = tree_param_defaults(self.tree_type)
         except RegistryError as e:

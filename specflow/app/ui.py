@@ -90,11 +90,18 @@ def replay(step: float, view: LaneView | None) -> tuple[str, str]:
     return view.tree_html(int(step)), render_stats(view.stats, int(step) - 1, view.state)
 
 
+def shown_fields(form: PipelineForm) -> set[str]:
+    """The fields a pipeline uses: without a drafter only the drafter's type (plain decoding has no
+    tree to build or verify), and of the tree numbers those its type declares."""
+    if form.drafter_type == NO_DRAFTER:
+        return {"drafter_type"}
+    return set(FORM_FIELDS) - set(MAIN_TREE_PARAMS) | set(tree_param_defaults(form.tree_type))
+
+
 def form_values(form: PipelineForm) -> list:
-    """Field values (FORM_FIELDS order); tree numbers the tree type does not use are hidden."""
-    declared = tree_param_defaults(form.tree_type)
-    return [gr.Number(value=getattr(form, name), visible=name in declared)
-            if name in MAIN_TREE_PARAMS else getattr(form, name) for name in FORM_FIELDS]
+    """Field values and visibility (FORM_FIELDS order)."""
+    shown = shown_fields(form)
+    return [gr.update(value=getattr(form, name), visible=name in shown) for name in FORM_FIELDS]
 
 
 class PipelinePanel:
@@ -103,13 +110,13 @@ class PipelinePanel:
     def __init__(self, tag: str, catalog: Catalog, label: str, visible: bool = True):
         self.catalog = catalog
         form = PipelineForm.from_pipeline(catalog.pipelines[label])
-        declared = tree_param_defaults(form.tree_type)
+        shown = shown_fields(form)
 
         def eid(name: str) -> str:
             return f"{name.replace('_', '-')}-{tag.lower()}"    # e.g. #drafter-params-a
 
         def number(name: str) -> gr.Number:
-            return gr.Number(getattr(form, name), label=name, precision=0, visible=name in declared,
+            return gr.Number(getattr(form, name), label=name, precision=0, visible=name in shown,
                              min_width=90, elem_id=eid(name))
 
         with gr.Column(visible=visible, elem_id=f"pipeline-{tag.lower()}") as self.column:
@@ -120,34 +127,42 @@ class PipelinePanel:
                                            label="drafter", min_width=110,
                                            elem_id=eid("drafter_type"))
                 tree_type = gr.Dropdown(TREE_BUILDERS.names(), value=form.tree_type, label="tree", min_width=110,
-                                        elem_id=eid("tree_type"))
+                                        visible="tree_type" in shown, elem_id=eid("tree_type"))
                 verifier_type = gr.Dropdown(VERIFIERS.names(), value=form.verifier_type, label="verifier",
-                                            min_width=110, elem_id=eid("verifier_type"))
+                                            min_width=110, visible="verifier_type" in shown,
+                                            elem_id=eid("verifier_type"))
             drafter_params = gr.Textbox(form.drafter_params, label="drafter params (YAML)", max_lines=3,
-                                        elem_id=eid("drafter_params"))
+                                        visible="drafter_params" in shown, elem_id=eid("drafter_params"))
             with gr.Row():
                 depth, topk, num_draft_tokens = number("depth"), number("topk"), number("num_draft_tokens")
             with gr.Row():
                 tree_params = gr.Textbox(form.tree_params, label="other tree params (YAML)", max_lines=3,
-                                         elem_id=eid("tree_params"))
+                                         visible="tree_params" in shown, elem_id=eid("tree_params"))
                 verifier_params = gr.Textbox(form.verifier_params, label="verifier params (YAML)", max_lines=3,
-                                             elem_id=eid("verifier_params"))
+                                             visible="verifier_params" in shown, elem_id=eid("verifier_params"))
         self.fields = [drafter_type, drafter_params, tree_type, depth, topk, num_draft_tokens, tree_params,
                        verifier_type, verifier_params]
         self.picker.change(lambda name: form_values(PipelineForm.from_pipeline(self.catalog.pipelines[name])),
                            self.picker, self.fields)
         # a new type's parameters: the old type's would be unknown keys
-        tree_type.input(self.tree_type_changed, tree_type, [depth, topk, num_draft_tokens, tree_params])
-        drafter_type.input(lambda kind: self.listed_params("drafter", kind), drafter_type, drafter_params)
+        tree_type.input(self.tree_type_changed, [drafter_type, tree_type], [depth, topk, num_draft_tokens, tree_params])
+        drafter_type.input(self.drafter_type_changed, self.fields, self.fields)
         verifier_type.input(lambda kind: self.listed_params("verifier", kind), verifier_type, verifier_params)
 
-    @staticmethod
-    def tree_type_changed(tree_type: str) -> list:
-        form = PipelineForm("", tree_type=tree_type, **tree_param_defaults(tree_type))
+    def tree_type_changed(self, drafter_type: str, tree_type: str) -> list:
+        """The tree numbers the new type declares (its defaults) and its listed params."""
+        form = PipelineForm("", drafter_type, tree_type=tree_type, **tree_param_defaults(tree_type),
+                            tree_params=self.listed_params("tree", tree_type))
         return form_values(form)[3:7]
 
+    def drafter_type_changed(self, *values) -> list:
+        """The new drafter type's listed params; the tree and verifier fields shown only with a drafter."""
+        form = PipelineForm("", **dict(zip(FORM_FIELDS, values)))
+        form.drafter_params = self.listed_params("drafter", form.drafter_type)
+        return form_values(form)
+
     def listed_params(self, component: str, kind: str) -> str:
-        """The params of the first listed pipeline whose drafter (or verifier) is of type ``kind``
+        """The params of the first listed pipeline whose drafter (tree, verifier) is of type ``kind``
         (a checkpoint path to start from), else none."""
         forms = (PipelineForm.from_pipeline(p) for p in self.catalog.pipelines.values())
         return next((getattr(f, f"{component}_params") for f in forms if getattr(f, f"{component}_type") == kind),

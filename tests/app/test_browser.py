@@ -176,3 +176,19 @@ def test_a_run_without_lane_b_clears_what_lane_b_showed(page):
     assert page.locator("#text-b textarea").input_value() == ""
     assert page.locator("#tree-b svg.draft-tree").count() == 0
     assert "done" not in page.locator("#stats-b").inner_text()
+
+
+def test_plain_decoding_shows_only_the_drafter_field_and_runs(page):
+    """(plain decoding showed a tree and a verifier it does not use; they come back with a drafter)"""
+    page.locator("#picker-a input").fill("plain decoding")
+    page.locator("#picker-a input").press("Enter")
+    page.wait_for_selector("#tree-type-a", state="hidden", timeout=WAIT_MS)
+    for field in ("verifier-type-a", "drafter-params-a", "depth-a", "tree-params-a"):
+        assert not page.locator(f"#{field}").is_visible()
+    generate(page)
+    assert "A: done" in page.locator("#status").inner_text()
+    assert "plain decoding" in page.locator("#header-a").inner_text()
+    page.locator("#drafter-type-a input").fill("ngram")
+    page.locator("#drafter-type-a input").press("Enter")
+    page.wait_for_selector("#tree-type-a", state="visible", timeout=WAIT_MS)
+    assert page.locator("#verifier-type-a").is_visible() and page.locator("#depth-a").is_visible()

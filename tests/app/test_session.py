@@ -76,8 +76,8 @@ def test_form_round_trips_a_pipeline_and_uses_only_the_tree_parameters_its_type_
     assert (chain.depth, chain.topk) == (4, None)
     chain.topk = 5                                                         # chain has no topk: ignored
     assert chain.to_pipeline().tree == {"type": "chain", "depth": 4}
-    plain = PipelineForm("p", drafter_type=NO_DRAFTER).to_pipeline()
-    assert plain.drafter is None
+    plain = PipelineForm("p", drafter_type=NO_DRAFTER, tree_type="forest", tree_params="{x: [").to_pipeline()
+    assert (plain.name, plain.drafter, plain.tree, plain.verifier) == ("p", None, PLAIN.tree, PLAIN.verifier)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -192,6 +192,7 @@ pipelines:
   - {{name: a, drafter: {{type: ngram, max_window: 2}}, tree: {{type: chain}}, verifier: {{type: greedy}}}}
   - {{name: b, drafter: {{type: draft_model, path: {tiny_target}}}, tree: {{type: chain}},
      verifier: {{type: threshold, threshold_single: 0.4}}}}
+  - {{name: c, drafter: {{type: ngram}}, tree: {{type: static, preset: medusa_63}}, verifier: {{type: greedy}}}}
 """)
     catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
     with gr.Blocks():
@@ -200,8 +201,34 @@ pipelines:
     assert panel.listed_params("drafter", "ngram") == "{max_window: 2}"
     assert panel.listed_params("drafter", "eagle") == "{}"
     assert panel.listed_params("verifier", "threshold") == "{threshold_single: 0.4}"
-    *numbers, tree_params = panel.tree_type_changed("static")
-    assert tree_params == "{}" and len(numbers) == 3
+    # (static's error said "give one of choices or preset")
+    *numbers, tree_params = panel.tree_type_changed("ngram", "static")
+    assert tree_params["value"] == "{preset: medusa_63}" and not any(n["visible"] for n in numbers)
+    *numbers, tree_params = panel.tree_type_changed("ngram", "eagle2")
+    assert tree_params["value"] == "{}" and [n["value"] for n in numbers] == [5, 8, 32]
+    assert all(n["visible"] for n in numbers)
+
+
+def test_plain_decoding_shows_only_the_drafter_field(tmp_path, tiny_target):
+    """(plain decoding showed a tree and a verifier it does not use)"""
+    gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
+    from specflow.app.ui import FORM_FIELDS, PipelinePanel, form_values
+
+    (tmp_path / "exp.yaml").write_text(f"""\
+name: exp
+engine: {{target: {tiny_target}, device: cpu, dtype: float32}}
+pipelines:
+  - {{name: a, drafter: {{type: ngram, max_window: 2}}, tree: {{type: eagle2}}, verifier: {{type: greedy}}}}
+""")
+    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
+    shown = [name for name, v in zip(FORM_FIELDS, form_values(PipelineForm.from_pipeline(PLAIN))) if v["visible"]]
+    assert shown == ["drafter_type"]
+    with gr.Blocks():
+        panel = PipelinePanel("A", catalog, "exp / a")
+    values = panel.drafter_type_changed(NO_DRAFTER, "{max_window: 2}", "eagle2", 5, 8, 32, "{}", "greedy", "{}")
+    assert [v["visible"] for v in values] == [True] + [False] * 8
+    values = panel.drafter_type_changed("ngram", "{}", "eagle2", 5, 8, 32, "{}", "greedy", "{}")
+    assert all(v["visible"] for v in values) and values[1]["value"] == "{max_window: 2}"
 
 
 def test_the_hidden_baseline_lane_is_closed_whatever_the_lanes_do(pool, monkeypatch):

@@ -85,8 +85,9 @@ def test_missing_prefix_names_the_path_and_the_prefix():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({}, "exactly one"),
-    ({"choices": [[0]], "preset": "mc_sim_7b_63"}, "exactly one"),
+    ({}, r"exactly one of choices \(rank paths, e.g. \[\[0\], \[1\], \[0, 0\]\]\) or preset \(one of "
+         r"mc_sim_7b_63, medusa_63\)$"),
+    ({"choices": [[0]], "preset": "mc_sim_7b_63"}, "exactly one.*null the key it had"),
     ({"preset": "nope"}, "unknown preset 'nope'; known: mc_sim_7b_63, medusa_63"),
     ({"choices": [[0], [0]]}, "appears twice"),
     ({"choices": [[]]}, "non-empty"),
