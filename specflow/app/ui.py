@@ -61,8 +61,9 @@ class LaneView:
         return render_step(record, self.texts.get, len(self.steps))
 
 
-def lane_outputs(lane: Lane, pool: EnginePool, tag: str) -> list:
-    """The six outputs of one lane: header, text, statistics, slider, tree, view state."""
+def lane_outputs(lane: Lane, pool: EnginePool, tag: str, pinned: int | None = None) -> list:
+    """The six outputs of one lane: header, text, statistics, slider, tree, view state. The tree and
+    chart show the last step, or step ``pinned`` (1-based) where the user replays one during the run."""
     view = LaneView(lane.steps, {}, lane.stats, lane.state)
     for record in lane.steps:
         for t in [*record.tree["tokens"], record.bonus_token]:
@@ -72,22 +73,16 @@ def lane_outputs(lane: Lane, pool: EnginePool, tag: str) -> list:
     if lane.error:
         header += f"<div class='sf-error'>{escape(lane.error)}</div>"
     n = len(lane.steps)
-    slider = gr.Slider(minimum=1, maximum=max(2, n), value=max(1, n), step=1, visible=n > 1)  # min < max
-    return [header, lane.text, render_stats(lane.stats, n - 1 if n else None, lane.state), slider,
-            view.tree_html(n), view]
+    shown = n if pinned is None else min(pinned, n)
+    slider = gr.Slider(minimum=1, maximum=max(2, n), value=max(1, shown), step=1, visible=n > 1)  # min < max
+    return [header, lane.text, render_stats(lane.stats, shown - 1 if shown else None, lane.state), slider,
+            view.tree_html(shown), view]
 
 
 def empty_lane_outputs(tag: str) -> list:
     """The six outputs of a lane that did not run: as the app starts."""
     slider = gr.Slider(minimum=1, maximum=2, value=1, visible=False)
     return [f"<div class='sf-lane'>{tag}</div>", "", "", slider, "", None]
-
-
-def replay(step: float, view: LaneView | None) -> tuple[str, str]:
-    """Tree and statistics of step ``step`` (1-based) of a generation already streamed."""
-    if view is None or not view.steps:
-        return gr.skip(), gr.skip()
-    return view.tree_html(int(step)), render_stats(view.stats, int(step) - 1, view.state)
 
 
 def shown_fields(form: PipelineForm) -> set[str]:
@@ -183,7 +178,6 @@ class OutputPanel:
             self.tree = gr.HTML(elem_id=f"tree-{t}")
             self.view = gr.State(None)
         self.outputs = [self.header, self.text, self.stats, self.slider, self.tree, self.view]
-        self.slider.input(replay, [self.slider, self.view], [self.tree, self.stats])
 
 
 def header_markdown(catalog: Catalog, pool: EnginePool) -> str:
@@ -203,6 +197,7 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
     second = next((name for name, p in catalog.pipelines.items()
                    if p.drafter and (p.tree, p.drafter) != (first.tree, first.drafter)), labels[-1])
     stops: dict[str, threading.Event] = {}   # each browser session's Stop
+    pins: dict[tuple[str, str], int] = {}    # (session, lane tag) -> the step replayed while a run streams
     s = catalog.sampling
 
     def stop_event(request: gr.Request) -> threading.Event:
@@ -213,9 +208,28 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
 
     def arm(request: gr.Request) -> None:  # at the click: a Stop pressed while the run waits in the queue holds
         stop_event(request).clear()
+        unpin(request)
+
+    def unpin(request: gr.Request) -> None:
+        for tag in "AB":
+            pins.pop((request.session_hash, tag), None)
 
     def forget(request: gr.Request) -> None:   # (a closed tab)
         stops.pop(request.session_hash, None)
+        unpin(request)
+
+    def replayer(tag: str):
+        def replay(step: float, view: LaneView | None, request: gr.Request) -> tuple[str, str]:
+            """Tree and statistics of step ``step`` (1-based) of the lane's steps so far. While a run
+            streams, a step before the last keeps its frames on that step; the last follows them again."""
+            if view is None or not view.steps:
+                return gr.skip(), gr.skip()
+            if int(step) < len(view.steps):
+                pins[(request.session_hash, tag)] = int(step)
+            else:
+                pins.pop((request.session_hash, tag), None)
+            return view.tree_html(int(step)), render_stats(view.stats, int(step) - 1, view.state)
+        return replay
 
     with gr.Blocks(title="specflow · draft trees", analytics_enabled=False) as demo:
         gr.Markdown(header_markdown(catalog, pool))
@@ -245,6 +259,8 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
 
         side_by_side.change(lambda on: [gr.Column(visible=on), gr.Column(visible=on)], side_by_side,
                             [panel_b.column, out_b.column])
+        for tag, out in (("A", out_a), ("B", out_b)):
+            out.slider.input(replayer(tag), [out.slider, out.view], [out.tree, out.stats], concurrency_limit=None)
 
         def run(request: gr.Request, prompt_text, temp, p, k, n, seed_value, no_eos, both, *values):
             stop = stop_event(request)
@@ -276,16 +292,16 @@ def build_app(catalog: Catalog, pool: EnginePool) -> gr.Blocks:
             for current in stream(pool, lanes, prompt_text, params, stop):
                 if time.perf_counter() - shown >= FRAME_S:
                     shown = time.perf_counter()
-                    yield frame(current, final=False)
-            yield frame(lanes, final=True)
+                    yield frame(current, request, final=False)
+            yield frame(lanes, request, final=True)
 
-        def frame(lanes: list[Lane], final: bool) -> list:
+        def frame(lanes: list[Lane], request: gr.Request, final: bool) -> list:
             states = ", ".join(f"{tag}: {lane.state}" for tag, lane in zip("AB", lanes))
             if not final and all(lane.state != "running" for lane in lanes):
                 states += " · measuring plain decoding of the same prompt for the speedup…"
             outs = [f"<div class='sf-status' data-done='{final}'>{states}</div>"]
             for tag, lane in zip("AB", lanes):
-                outs += lane_outputs(lane, pool, tag)
+                outs += lane_outputs(lane, pool, tag, pins.get((request.session_hash, tag)))
             for tag in "AB"[len(lanes):]:  # a lane this run has not: blank, not an earlier run's
                 outs += empty_lane_outputs(tag)
             return outs

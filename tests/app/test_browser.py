@@ -192,3 +192,25 @@ def test_plain_decoding_shows_only_the_drafter_field_and_runs(page):
     page.locator("#drafter-type-a input").press("Enter")
     page.wait_for_selector("#tree-type-a", state="visible", timeout=WAIT_MS)
     assert page.locator("#verifier-type-a").is_visible() and page.locator("#depth-a").is_visible()
+
+
+def test_a_step_replayed_during_a_run_stays_shown_while_the_run_goes_on(page):
+    """(each frame of the run put the slider and tree back on the last step, under the user's drag)"""
+    start_a_long_run(page)
+    page.wait_for_function("Number(document.querySelector('#tree-a svg.draft-tree')?.dataset.step) >= 2",
+                           timeout=WAIT_MS)
+    steps = page.locator("#slider-a input[type=number]")
+    steps.fill("1")
+    steps.press("Enter")
+    page.wait_for_selector("#tree-a svg.draft-tree[data-step='0']", timeout=WAIT_MS)
+    text = page.locator("#text-a textarea").input_value()
+    page.wait_for_function(f"document.querySelector('#text-a textarea').value.length > {len(text) + 20}",
+                           timeout=WAIT_MS)   # frames went on
+    assert page.locator("#tree-a svg.draft-tree").get_attribute("data-step") == "0"
+    assert steps.input_value() == "1" and "A: running" in page.locator("#status").inner_text()
+    steps.fill(page.locator("#slider-a input[type=range]").get_attribute("max"))   # the last step: follow again
+    steps.press("Enter")
+    page.wait_for_function("Number(document.querySelector('#tree-a svg.draft-tree').dataset.step) > 1",
+                           timeout=WAIT_MS)
+    page.locator("#stop").click()
+    page.wait_for_selector("#status [data-done='True']", timeout=WAIT_MS)
