@@ -2,8 +2,8 @@
 
 The tree grows left to right, one column per depth. Every valid node is a box with its token
 text and its draft probability q(token | parent) = score / parent score; the accepted path is
-green, rejected nodes are faded, and the bonus token (sampled from the target at the last
-accepted node) hangs off the path as a dashed amber box. Padding nodes are not drawn.
+green along the top row, rejected nodes are faded, and the bonus token (sampled from the target
+at the last accepted node) ends the path as a dashed amber box. Padding nodes are not drawn.
 
 Elements carry classes a browser test or a stylesheet can select: ``node``/``edge`` plus one of
 ``root``, ``accepted``, ``rejected``, ``bonus``; each node has ``data-node`` (its index, or
@@ -58,19 +58,23 @@ def node_probs(tree: dict) -> list[float]:
     return probs
 
 
-def layout(parents: list[int], valid: list[bool], bonus_parent: int) -> dict[int, tuple[int, float]]:
+def layout(parents: list[int], valid: list[bool], accepted: list[int]) -> dict[int, tuple[int, float]]:
     """``node -> (column, row)`` for every valid node and the bonus (id ``BONUS``).
 
-    Children are taken in node-index order (the bonus last under its parent); leaves take
-    consecutive rows in depth-first order and a parent sits midway between its first and last
-    child, so edges never cross.
+    Children are taken with the one on the ``accepted`` path first (the bonus under the path's last
+    node), then in node-index order; leaves take consecutive rows in depth-first order and a parent
+    sits on its first child's row, so edges never cross and the accepted path with its bonus is the
+    top row, in view however large the tree.
     """
     children: dict[int, list[int]] = {i: [] for i, v in enumerate(valid) if v}
     for i in range(1, len(parents)):
         if valid[i] and parents[i] in children:
             children[parents[i]].append(i)
-    children[bonus_parent].append(BONUS)
+    children[accepted[-1]].append(BONUS)
     children[BONUS] = []
+    on_path = {*accepted, BONUS}
+    for kids in children.values():
+        kids.sort(key=lambda k: k not in on_path)   # (stable: the rest keep their index order)
     place: dict[int, tuple[int, float]] = {}
     next_row = 0
     stack: list[tuple[int, int, bool]] = [(0, 0, False)]  # (node, column, children placed)
@@ -81,7 +85,7 @@ def layout(parents: list[int], valid: list[bool], bonus_parent: int) -> dict[int
             place[node] = (col, float(next_row))
             next_row += 1
         elif done:
-            place[node] = (col, (place[kids[0]][1] + place[kids[-1]][1]) / 2)
+            place[node] = (col, place[kids[0]][1])
         else:
             stack.append((node, col, True))
             stack.extend((k, col + 1, False) for k in reversed(kids))
@@ -126,7 +130,7 @@ def render_tree(record: StepRecord, token_text: Callable[[int], str] = str) -> s
     probs = node_probs(tree)
     on_path = set(record.accepted)
     last = record.accepted[-1]
-    place = layout(parents, valid, last)
+    place = layout(parents, valid, record.accepted)
 
     edges, nodes = [], []
     for i, pos in place.items():

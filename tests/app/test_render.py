@@ -62,11 +62,14 @@ def test_accepted_path_rejected_nodes_and_bonus_are_marked():
     assert sorted(edges) == ["accepted", "accepted", "bonus", "rejected", "rejected", "rejected"]
 
 
-def test_bonus_hangs_off_the_last_accepted_node():
+def test_bonus_hangs_off_the_last_accepted_node_and_the_path_is_the_top_row():
+    """(a 63-node tree drew its accepted path wherever its ranks fell: often below the fold)"""
     nodes = nodes_of(render_tree(RECORD, TEXT))
     x = {n: float(g.find(f"{SVG}rect").get("x")) for n, g in nodes.items()}
+    y = {n: float(g.find(f"{SVG}rect").get("y")) for n, g in nodes.items()}
     assert x["bonus"] > x["5"] > x["2"] > x["0"]
     assert x["3"] == x["4"] == x["5"]  # one column per depth
+    assert y["0"] == y["2"] == y["5"] == y["bonus"] < y["4"] < y["1"] == y["3"]   # then index order
 
 
 def test_rendering_is_deterministic_and_the_step_html_has_caption_and_tree():
@@ -132,6 +135,9 @@ def test_any_tree_renders_to_well_formed_svg_without_overlapping_boxes(case):
     for i in range(1, n_valid):
         assert texts(nodes[str(i)]) == [token_label(names[record.tree["tokens"][i]]), f"{probs[i]:.2f}"]
     assert {n for n, g in nodes.items() if "accepted" in classes(g)} == {str(i) for i in record.accepted}
+    top = min(float(g.find(f"{SVG}rect").get("y")) for g in nodes.values())
+    assert {n for n, g in nodes.items() if float(g.find(f"{SVG}rect").get("y")) == top} == \
+        {str(i) for i in record.accepted} | {"bonus"}
     boxes = sorted((float(g.find(f"{SVG}rect").get("x")), float(g.find(f"{SVG}rect").get("y")))
                    for g in nodes.values())
     for (x0, y0), (x1, y1) in zip(boxes, boxes[1:]):
