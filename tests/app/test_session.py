@@ -183,7 +183,7 @@ def test_lanes_of_one_pipeline_and_the_baseline_each_get_their_own_engine(pool):
 def test_a_component_type_change_brings_that_type_s_parameters(tmp_path, tiny_target):
     """(the old type's parameters stayed: ngram -> draft_model said "unknown key 'scope'")"""
     gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
-    from specflow.app.ui import PipelinePanel
+    from specflow.app.panels import PipelinePanel
 
     (tmp_path / "exp.yaml").write_text(f"""\
 name: exp
@@ -212,7 +212,7 @@ pipelines:
 def test_plain_decoding_shows_only_the_drafter_field(tmp_path, tiny_target):
     """(plain decoding showed a tree and a verifier it does not use)"""
     gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
-    from specflow.app.ui import FORM_FIELDS, PipelinePanel, form_values
+    from specflow.app.panels import FORM_FIELDS, PipelinePanel, form_values
 
     (tmp_path / "exp.yaml").write_text(f"""\
 name: exp
