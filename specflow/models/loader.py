@@ -34,15 +34,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     ``config.eos_token_ids`` also holds the stop tokens of generation_config.json when there is one.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist; point to a Hugging Face checkpoint directory")
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.json; point to a Hugging Face checkpoint directory")
-    hf = read_json(config_file)
-    cfg = ModelConfig.from_hf(hf)
-    cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
-    dtype = resolve_dtype(dtype, hf)
+    cfg = load_config(path)
+    dtype = resolve_dtype(dtype, read_json(path / "config.json"))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: v.shape for k, v in checkpoint_state(model).items()}  # checkpoint names
@@ -85,6 +78,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     assert result.missing_keys == (["lm_head.weight"] if cfg.tie_word_embeddings else []), result
     model.tie_weights()
     return model.to(device).eval()
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """A checkpoint directory's architecture, without its weights: config.json, plus the stop tokens
+    of generation_config.json when there is one (``eos_token_ids``)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; point to a Hugging Face checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json; point to a Hugging Face checkpoint directory")
+    cfg = ModelConfig.from_hf(read_json(path / "config.json"))
+    cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
+    return cfg
 
 
 def resolve_dtype(dtype: torch.dtype | str, hf: dict) -> torch.dtype:

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from specflow.config import ConfigError, check_at_least
 from specflow.engine import SpecEngine
+from specflow.models import load_tokenizer
 from specflow.request import RequestOutput
 from specflow.sampling import SamplingParams
 
@@ -133,11 +134,26 @@ def corpus_streams(cfg: DataConfig, tokenizer) -> tuple[Corpus, Tensor, Tensor]:
     return corpus, train, val
 
 
-def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None,
-                    seed: int) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
+def target_tokenizer(target: str | Path):
+    """The tokenizer of the ``target`` checkpoint, which cuts the corpus for recipes that read a target."""
+    tokenizer = load_tokenizer(target)
+    if tokenizer is None:
+        raise ConfigError(f"train.target: {target} has no tokenizer (tokenizer.json, tokenizer_config.json or "
+                          f"tokenizer.model), which the recipe needs to tokenize data.source; copy the model's "
+                          f"tokenizer files beside its config.json")
+    return tokenizer
+
+
+def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None, seed: int,
+                    vocab_size: int | None = None) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
     """Training chunks of the corpus (or of target-written continuations), validation chunks of
-    the held-out files (None when too few), and provenance for the run's summary."""
+    the held-out files (None when too few), and provenance for the run's summary. ``vocab_size``:
+    the target's, which every token id of the corpus must be below."""
     corpus, train, val = corpus_streams(cfg, tokenizer)
+    top = max((int(t.max()) for t in (train, val) if len(t)), default=-1)
+    if vocab_size is not None and top >= vocab_size:  # (else an IndexError in the target's first forward)
+        raise ConfigError(f"train.target: the tokenizer of {target} gives token id {top}, but its config.json's "
+                          f"vocab_size is {vocab_size}: the tokenizer is not this model's, or vocab_size is wrong")
     info = {"train_files": len(corpus.train_files), "held_out_files": len(corpus.held_out_files)}
     if cfg.generated_tokens:
         if target is None:

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specflow.config import check_at_least
-from specflow.models import LlamaForCausalLM, load_model
+from specflow.models import LlamaForCausalLM
 from specflow.models.eagle import EagleHead, new_head_config, save_eagle
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import head_data, target_pass
+from specflow.train.heads import head_data, meta_target, target_pass
 from specflow.train.module import TrainModule, count_params, frozen, soft_cross_entropy
 
 
@@ -113,7 +113,6 @@ class EagleRecipe:
         return TrainJob(module, data.train, data.val, {**data.info, "params": count_params(head)})
 
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:
-        target = load_model(run.target)
-        head = new_eagle_head(target, self.cfg.num_layers, self.cfg.bias)
+        head = new_eagle_head(meta_target(run.target), self.cfg.num_layers, self.cfg.bias)
         head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
         save_eagle(head.to(resolve_dtype(self.cfg.save_dtype, {})), out, format=self.cfg.save_format)

@@ -23,13 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from specflow.config import ConfigError, check_at_least
-from specflow.models import LlamaForCausalLM, load_model
+from specflow.models import LlamaForCausalLM
 from specflow.models.eagle import new_head_config
 from specflow.models.eagle3 import Eagle3Head, save_eagle3
 from specflow.models.loader import read_json, resolve_dtype
 from specflow.train.attention import UnrolledAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.heads import head_data, target_pass
+from specflow.train.heads import head_data, meta_target, target_pass
 from specflow.train.module import TrainModule, count_params, frozen
 
 
@@ -172,6 +172,6 @@ class Eagle3Recipe:
                                                        "draft_vocab_coverage": round(coverage, 4)})
 
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:
-        head = new_eagle3_head(load_model(run.target), self.hot, self.taps)
+        head = new_eagle3_head(meta_target(run.target), self.hot, self.taps)
         head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
         save_eagle3(head.to(resolve_dtype(self.cfg.save_dtype, {})), out, format=self.cfg.save_format)

@@ -4,15 +4,16 @@ that records the features a head learns from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoTokenizer
 
 from specflow.config import ConfigError
 from specflow.models import LlamaForCausalLM, load_model
+from specflow.models.loader import load_config
 from specflow.train.config import TrainConfig
-from specflow.train.data import ChunkDataset, training_chunks
+from specflow.train.data import ChunkDataset, target_tokenizer, training_chunks
 from specflow.train.lm import causal_forward
 from specflow.train.module import frozen
 
@@ -29,10 +30,18 @@ def head_data(run: TrainConfig, recipe: str) -> HeadData:
     """Load ``run.target`` (frozen) and cut its tokenizer's view of the data into chunks."""
     if run.target is None:
         raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
-    tokenizer = AutoTokenizer.from_pretrained(run.target)
+    tokenizer = target_tokenizer(run.target)
     target = frozen(load_model(run.target))
-    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed)
+    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed, vocab_size=target.config.vocab_size)
     return HeadData(target, train, val, info)
+
+
+def meta_target(path: str | Path) -> LlamaForCausalLM:
+    """The target of ``path`` on the meta device, from its config alone: what an export needs of it
+    (shapes, the modules a head references) without reading its weights a second time (the trained
+    module still holds them: an 8B float32 target is another 32 GB)."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(load_config(path))
 
 
 @torch.no_grad()

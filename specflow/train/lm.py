@@ -18,7 +18,7 @@ from specflow.models import LlamaForCausalLM, ModelConfig, load_model, save_mode
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
-from specflow.train.data import training_chunks
+from specflow.train.data import target_tokenizer, training_chunks
 from specflow.train.module import TrainModule, count_params, frozen, soft_cross_entropy
 
 
@@ -179,9 +179,10 @@ class DistillRecipe:
     def setup(self, run: TrainConfig) -> TrainJob:
         if run.target is None:
             raise ConfigError("recipe 'distill' needs 'target': the checkpoint to distil from")
-        tokenizer = AutoTokenizer.from_pretrained(run.target)
+        tokenizer = target_tokenizer(run.target)
         teacher = load_model(run.target)
-        train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed)
+        train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
+                                           vocab_size=teacher.config.vocab_size)
         model = build_llama(self.cfg.model, teacher.config.vocab_size, tokenizer.eos_token_id, run.seed)
         self.model_config = model.config
         info["params"] = count_params(model)

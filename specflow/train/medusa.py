@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specflow.config import ConfigError, check_at_least
-from specflow.models import LlamaForCausalLM, load_model
-from specflow.models.loader import resolve_dtype
+from specflow.models import LlamaForCausalLM
+from specflow.models.loader import load_config, resolve_dtype
 from specflow.models.medusa import MedusaHeads, save_medusa
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.heads import head_data
@@ -111,7 +111,7 @@ class MedusaRecipe:
         return TrainJob(module, data.train, data.val, {**data.info, "params": count_params(heads)})
 
     def export(self, run: TrainConfig, state: dict[str, Tensor], out: Path) -> None:
-        cfg = load_model(run.target).config
+        cfg = load_config(run.target)
         with torch.device("meta"):
             heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, self.cfg.num_heads, self.cfg.num_layers)
         heads.load_state_dict({k.removeprefix("heads."): v for k, v in state.items() if k.startswith("heads.")},

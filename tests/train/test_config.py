@@ -1,11 +1,13 @@
 """``specflow train`` configs: every shipped one validates; mistakes fail naming the fix."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from specflow.cli import main
 from specflow.config import ConfigError, validate
+from specflow.models.random import make_random_checkpoint
 from specflow.train import RECIPES, TrainConfig, load_train_config, train
 from tests.train.runs import tiny_config
 
@@ -143,3 +145,21 @@ def test_resuming_another_recipe_s_checkpoint_fails_before_training(tmp_path, ti
                         trainer_extra={"resume": str(ckpt)})
     with pytest.raises(ConfigError, match=r"holds another model's weights|tensor .* has shape"):
         train(wider)
+
+
+@pytest.mark.parametrize("recipe", ["distill", "eagle", "medusa"])
+def test_a_target_whose_tokenizer_does_not_fit_fails_naming_it(recipe, tmp_path, tiny_target):
+    """A target without tokenizer files failed with transformers' "Couldn't instantiate the backend
+    tokenizer"; one whose tokenizer gives ids past its vocab_size, with an IndexError mid-training."""
+    bare = make_random_checkpoint(tmp_path / "bare", hidden_size=32, num_layers=1, num_heads=2,
+                                  vocab_size=200, tokenizer=False)
+    cfg = tiny_config(tmp_path / "a", {"type": recipe}, target=bare, steps=2)
+    with pytest.raises(ConfigError, match=r"train.target: .*bare has no tokenizer \(tokenizer.json"):
+        train(cfg)
+    for name in ("tokenizer.json", "tokenizer_config.json"):   # (a 320-token vocabulary)
+        shutil.copy(tiny_target / name, bare / name)
+    cfg = tiny_config(tmp_path / "b", {"type": recipe}, target=bare, steps=2)
+    with pytest.raises(ConfigError, match=r"tokenizer of .*bare gives token id 3\d\d, but its config.json's "
+                                          r"vocab_size is 200"):
+        train(cfg)
+    assert not (tmp_path / "b" / "out").exists()

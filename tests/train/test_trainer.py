@@ -9,6 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from specflow.config import ConfigError
+from specflow.models import load_model, loader
+from specflow.models.eagle import load_eagle
+from specflow.models.eagle3 import load_eagle3
+from specflow.models.medusa import load_medusa
 from specflow.train import train
 from specflow.train.trainer import StepTimer
 from tests.train.runs import tiny_config
@@ -134,3 +138,18 @@ def test_resuming_from_a_file_that_is_no_training_checkpoint_names_the_key(tmp_p
     cfg = tiny_config(tmp_path, {"type": "eagle"}, target=tiny_target, steps=2, trainer_extra={"resume": str(bare)})
     with pytest.raises(ConfigError, match=r"train.trainer.resume: .*weights.pt is not a Lightning training checkpoint"):
         train(cfg)
+
+
+@pytest.mark.parametrize("recipe", [{"type": "eagle"}, {"type": "eagle3", "taps": [1]},
+                                    {"type": "medusa", "num_heads": 2}], ids=lambda r: r["type"])
+def test_a_head_export_reads_the_target_weights_no_second_time(recipe, tmp_path, tiny_target, monkeypatch):
+    """The export builds the head from the target's config.json: a second load of the target (for an
+    8B one, another 32 GB in float32) while the trained module still holds it could run out of memory
+    at the very end of a run."""
+    reads = []
+    read_weights = loader.read_weights
+    monkeypatch.setattr(loader, "read_weights", lambda file, device: reads.append(file) or read_weights(file, device))
+    train(tiny_config(tmp_path, recipe, target=tiny_target, steps=2))
+    assert reads == [tiny_target / "model.safetensors"]
+    loaders = {"eagle": load_eagle, "eagle3": load_eagle3, "medusa": load_medusa}
+    assert loaders[recipe["type"]](tmp_path / "out", load_model(tiny_target))   # (the export loads back)
