@@ -22,32 +22,13 @@ from specflow.serve.inputs import ApiError, RequestInputs
 from specflow.serve.chat_protocol import ChatCompletionRequest
 from specflow.serve.protocol import CompletionRequest, SamplingFields
 from specflow.serve.responses import (
-    AcceptLengthStats, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatDelta, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    PromptTokensDetails, ToolCallChunk, TopLogprob, Usage, error_body)
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
+    ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, ToolCallChunk,
+    TopLogprob, cached, error_body, usage)
 from specflow.serve.token_bytes import TextOffsets, TokenBytes
 from specflow.serve.tool_parser import ToolCallStream, parse_tool_calls, tool_finish_reason
 
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the response
-
-
-def usage(outputs: list[RequestOutput], prompt_tokens: int, cached_tokens: int) -> Usage:
-    """Token counts plus the accept-length statistics of every choice's speculative steps."""
-    completion = sum(len(o.token_ids) for o in outputs)
-    steps = [a for o in outputs for a in o.accept_lengths]
-    histogram = collections.Counter(steps)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                 accept_length=AcceptLengthStats(
-                     steps=len(steps), mean=sum(steps) / len(steps) if steps else 0.0,
-                     histogram={str(k): histogram[k] for k in sorted(histogram)}))
-
-
-def cached(outputs: list[RequestOutput], n: int) -> int:
-    """Prompt tokens the prefix cache held, once per prompt: of its ``n`` choices, the fewest (the
-    later choices of a new prompt read the pages the first one wrote)."""
-    return sum(min(o.num_cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
 
 
 def sse(chunk: BaseModel | dict, exclude: set[str] | None = None) -> str:

@@ -1,13 +1,15 @@
 """The OpenAI wire format's response bodies, as pydantic models (requests:
-specflow.serve.protocol and chat_protocol). Beyond OpenAI's fields: ``usage.accept_length``,
-tokens committed per speculative step."""
+specflow.serve.protocol and chat_protocol), and a response's usage from its requests' outputs.
+Beyond OpenAI's fields: ``usage.accept_length``, tokens committed per speculative step."""
 
 from __future__ import annotations
 
+import collections
 from typing import Literal
 
 from pydantic import BaseModel, model_serializer
 
+from specflow.request import RequestOutput
 from specflow.serve.chat_protocol import FunctionCall, ToolCall
 
 class AcceptLengthStats(BaseModel):
@@ -143,3 +145,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage(outputs: list[RequestOutput], prompt_tokens: int, cached_tokens: int) -> Usage:
+    """Token counts plus the accept-length statistics of every choice's speculative steps."""
+    completion = sum(len(o.token_ids) for o in outputs)
+    steps = [a for o in outputs for a in o.accept_lengths]
+    histogram = collections.Counter(steps)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                 accept_length=AcceptLengthStats(
+                     steps=len(steps), mean=sum(steps) / len(steps) if steps else 0.0,
+                     histogram={str(k): histogram[k] for k in sorted(histogram)}))
+
+
+def cached(outputs: list[RequestOutput], n: int) -> int:
+    """Prompt tokens the prefix cache held, once per prompt: of its ``n`` choices, the fewest (the
+    later choices of a new prompt read the pages the first one wrote)."""
+    return sum(min(o.num_cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
