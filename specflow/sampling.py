@@ -199,8 +199,9 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     """[B, N, V] logits -> [B, N, V] float32 probabilities after temperature, top-k, top-p, min-p.
 
     top-k keeps every token at least as likely as the k-th most likely (ties included), top-p
-    the smallest prefix of the sorted distribution that reaches top_p, min-p the tokens at least
-    min_p x the top one; the top token always survives. Only top-p sorts, and only when a
+    the smallest prefix of the sorted distribution that reaches top_p (tied tokens in index
+    order), min-p the tokens at least min_p x the top one; the top token always survives. Only
+    top-p sorts, and only when a
     sampled row uses it. Greedy rows (temperature 0) become one-hot at the argmax, so every
     acceptance rule reduces to "accept iff the draft equals the argmax" for them. Non-finite
     logits cannot break a batch: +inf tokens share the row's mass, NaN ones get none, and a row
@@ -224,7 +225,8 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
         # could differ between plain and speculative decoding)
         probs = torch.where(top_k > 0, probs / probs.sum(-1, keepdim=True), probs)
     if bool((sampling.top_p[sampled] < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)                        # [B, N, V]
+        # stable: tied tokens are cut by index, not by where the sort (of this batch's shape) put them
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)           # [B, N, V]
         mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of the tokens sorted before
         cut = (mass_before >= top_p) & (top_p < 1)    # top_p 1: cumsum rounding cuts nothing
         probs = probs.scatter(-1, order, sorted_p.masked_fill(cut, 0.0))

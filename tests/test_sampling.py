@@ -46,6 +46,16 @@ def test_top_k_keeps_ties_whatever_the_batch():
     assert target_probs(tied, SamplingBatch.from_params(mixed, [0, 1]))[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def test_top_p_cuts_tied_tokens_by_index_whatever_the_batch_shape():
+    """(the sort was not stable: which of 1024 equally likely tokens top-p kept depended on where
+    torch's sort put them, which depends on the tensor's shape: a tree's row could keep other tokens
+    than plain decoding's, and a seeded draw differ)"""
+    half = SamplingParams(temperature=1.0, top_p=0.5)
+    for b, n in ((1, 1), (3, 64)):
+        probs = target_probs(torch.zeros(b, n, 1024), SamplingBatch.from_params([half] * b, range(b)))
+        assert ((probs > 0) == (torch.arange(1024) < 512)).all(), (b, n)
+
+
 def test_extreme_filters_keep_the_top_token():
     """A top_p that float32 rounds to 0 keeps the top token (not none, which would sample from
     NaNs), and a top_k beyond int64 is refused up front (it failed the whole batch's step)."""
