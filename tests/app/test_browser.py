@@ -120,11 +120,15 @@ def test_the_same_pipeline_in_both_lanes_runs_twice(page):
     assert texts[0] and texts[0] == texts[1]
 
 
-def start_a_long_run(page) -> None:
-    """Generate 512 tokens and return once the run is under way."""
+def ask_for_512_tokens(page) -> None:
     page.get_by_text("sampling", exact=True).click()   # (the accordion)
     page.locator("#max-tokens input[type=number]").fill("512")
     page.locator("#max-tokens input[type=number]").press("Enter")
+
+
+def start_a_long_run(page) -> None:
+    """Generate 512 tokens and return once the run is under way."""
+    ask_for_512_tokens(page)
     page.locator("#generate").click()
     page.wait_for_selector("#status:has-text('A: running')", timeout=WAIT_MS)
 
@@ -149,6 +153,9 @@ def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
     for p in (running, queued):
         p.goto(app_url)
     start_a_long_run(running)
+    # (512 tokens here too: a short run could start, once the other tab's ended, and end before
+    # the Stop reached the server, which then found no run to stop)
+    ask_for_512_tokens(queued)
     # (the run joins the queue once Generate's own reset of Stop has returned: a Stop sent within
     # milliseconds of Generate could otherwise reach the server first and be cleared by it)
     with queued.expect_response(lambda r: "queue/join" in r.url, timeout=WAIT_MS):
