@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from specflow.bench.experiment_config import ExperimentConfig, PipelineConfig, load_experiment, sampling_params
 from specflow.bench.prompts import Prompt, load_suite
-from specflow.bench.provenance import git_commit, git_dirty
+from specflow.bench.provenance import device_name, git_commit, git_dirty
 from specflow.bench.report import best_pipeline, write_report
 from specflow.bench.summary import batch_seconds, summarize
 from specflow.config import ConfigError, dump_yaml
@@ -254,8 +254,8 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
     run(None, last=True)  # the last round writes the results pipeline by pipeline
     baseline_seconds = [batch_seconds(r) for r in runs["baseline"]]  # (before fastest() sets the last run's)
     baseline = fastest(runs["baseline"])
-    results = {"name": cfg.name, "target": e.target, "device": str(device), "dtype": str(dtype).split(".")[-1],
-               "torch_version": torch.__version__, "git_commit": git_commit(),
+    results = {"name": cfg.name, "target": e.target, "device": str(device), "device_name": device_name(device),
+               "dtype": str(dtype).split(".")[-1], "torch_version": torch.__version__, "git_commit": git_commit(),
                "git_dirty": git_dirty(), "plugins": plugin_sources(),
                "torch_threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "num_prompts": len(prompts),
                "turns": cfg.prompts.turns, "check_drafts": e.check_drafts,
@@ -273,7 +273,8 @@ def execute(cfg: ExperimentConfig, pipelines: list[PipelineConfig], rank: bool =
             run_seconds = [batch_seconds(r) for r in runs[p.name]]  # (before fastest() sets the last run's)
             rows = fastest(runs[p.name])
             results["pipelines"][p.name] = summarize(rows, baseline) | {
-                "lossless": engine.verifier.lossless, "num_draft_tokens": engine.pipeline.tree.num_draft_tokens,
+                "lossless": engine.verifier.lossless,  # (drafter null: plain decoding, no tree to count)
+                "num_draft_tokens": engine.tree_builder.num_draft_tokens if engine.tree_builder is not None else None,
                 "run_seconds": run_seconds, **context_cuts(rows, prompts, cfg),
                 "pipeline": {"drafter": p.drafter, "tree": p.tree, "verifier": p.verifier}}
             record(p.name, rows)

@@ -63,7 +63,7 @@ class ExperimentConfig:
     # requests (ngram scope: global) would then have seen before it is timed
     warmup: int = 1
     # timed runs of the suite per pipeline (baseline included), each on a fresh engine: a batch's
-    # time is its fastest run's (best of n, as timing noise only ever adds); outputs are the first's
+    # time is its fastest run's (best of n, as timing noise only ever adds); outputs are the last's
     repeats: int = 1
     output_dir: str = "runs"
 

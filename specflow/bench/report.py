@@ -14,6 +14,15 @@ def best_pipeline(results: dict) -> str | None:
     return max(finished, key=lambda n: finished[n]["speedup"], default=None)
 
 
+def share(fraction: float) -> str:
+    """A share in whole percent that reads as all or none only when it is: 479 of 480 prompts
+    matching is ">99%", where ``:.0%`` wrote "100%", and 1 of 480 is "<1%", not "0%"."""
+    text = f"{fraction:.0%}"
+    if text == "100%" and fraction < 1:
+        return ">99%"
+    return "<1%" if text == "0%" and fraction > 0 else text
+
+
 def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> None:
     """A markdown table per pipeline and per category, failed pipelines apart with their errors,
     plus speedup and accepted-length plots of the finished ones."""
@@ -37,7 +46,8 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
     plugins = "".join(f", plugin `{file}` (sha256 {digest[:12]})"
                       for file, digest in results.get("plugins", {}).items())
     lines = [f"# {results['name']}", "",
-             f"target `{results['target']}` on {results['device']} ({results['dtype']}), "
+             f"target `{results['target']}` on {results['device']} "
+             f"({', '.join(filter(None, [results.get('device_name'), results['dtype']]))}), "
              f"batch size {results['batch_size']}, {results['num_prompts']} prompts"
              f"{' of up to ' + str(results['turns']) + ' turns (a row each)' if results.get('turns', 1) > 1 else ''}, "
              f"{'best of ' + str(results['repeats']) + ' runs, ' if results['repeats'] > 1 else ''}temperature "
@@ -54,7 +64,7 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
              "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline | p50 s | p99 s |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in finished.items():
-        match = f"{s['matches_baseline']:.0%}" if "matches_baseline" in s else "-"
+        match = share(s["matches_baseline"]) if "matches_baseline" in s else "-"
         lossless = {True: "yes", False: "no", None: "-"}[s.get("lossless")]
         # a greedy run of a declared-lossless verifier must match the baseline: a mismatch contradicts the claim
         if greedy_run and s.get("lossless") and s.get("matches_baseline", 1.0) < 1.0:

@@ -14,6 +14,7 @@ from specflow.bench.summary import acceptance_by_depth, summarize
 from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
                                               sampling_params)
 from specflow.bench.prompts import load_suite
+from specflow.bench.provenance import device_name
 from specflow.bench.sweep import grid_pipelines, parse_grid, run_sweep
 from specflow.cli import main
 from specflow.config import ConfigError
@@ -79,6 +80,9 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     # the nodes the trees have: eagle2 caps 64 at what topk 2, depth 3 drafts (1 + 2 + 2 * 4)
     assert [results["pipelines"][p]["num_draft_tokens"] for p in ("pld", "self-eagle2")] == [4, 11]
     assert results["sampling"]["max_tokens"] == 6 and results["torch_version"] == torch.__version__
+    # the CPU's model, not only "cpu": the times are of that hardware
+    assert results["device"] == "cpu" and results["device_name"] == device_name(torch.device("cpu")) != ""
+    assert f"on cpu ({results['device_name']}, float32)" in (out / "results.md").read_text()
     if (ROOT / ".git").exists():  # a commit of this checkout (HEAD may have moved on since)
         commit = results["git_commit"]
         assert re.fullmatch("[0-9a-f]{40}", commit)
@@ -460,6 +464,17 @@ def test_a_null_tree_or_verifier_is_recorded_as_the_default_it_runs(tmp_path):
     assert (p.tree, p.verifier) == ({"type": "chain"}, {"type": "rejection"})
 
 
+def test_a_plain_decoding_pipeline_runs_beside_the_baseline(tmp_path, tiny_target):
+    """A pipeline of drafter null decodes plainly, as the baseline does (an A/A check of the timing:
+    its speedup is the run's noise); the run recorded its tree's nodes and raised outside the
+    pipeline's guard, losing every pipeline after it."""
+    path = write_config(tmp_path, tiny_target, "\n  - {name: plain, drafter: null}" + ngram_chain())
+    assert main(["run", str(path), "sampling.max_tokens=4"]) == 0
+    results = json.loads((tmp_path / "runs" / "tiny" / "results.json").read_text())["pipelines"]
+    assert results["plain"]["num_draft_tokens"] is None and results["plain"]["matches_baseline"] == 1.0
+    assert results["plain"]["accept_length"] == 1.0 and results["chain"]["num_draft_tokens"] == 3
+
+
 def test_a_grid_over_a_component_s_type_replaces_the_node_as_an_override_does():
     """``--grid verifier.type=threshold,rejection`` over a threshold verifier with its own keys, or
     ``--grid tree.type=chain,static`` over a chain with a depth: the other type's point gets a node
@@ -552,13 +567,36 @@ def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_targe
     assert results["plugins"][str(plugin.resolve())] == digest
     assert not any("/drafters/" in f or "/specflow/" in f for f in results["plugins"])  # (built-ins: git_commit's)
     assert f"plugin `{plugin.resolve()}` (sha256 {digest[:12]})" in (out / "results.md").read_text()
-    if (ROOT / ".git").exists():
+    if (ROOT / ".git").exists():  # (a changed tracked file, or a module of its packages git does not track)
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip() != ""
+                               capture_output=True, text=True).stdout.strip() != "" or any(
+            f.endswith(".py") for f in subprocess.run(
+                ["git", "-C", str(ROOT), "ls-files", "--others", "--exclude-standard", "--", "specflow", "drafters",
+                 "trees", "verifiers"], capture_output=True, text=True).stdout.splitlines())
         assert results["git_dirty"] is dirty
         assert ("with uncommitted changes" in (out / "results.md").read_text()) is dirty
     else:
         assert results["git_dirty"] is None
+
+
+def test_an_untracked_module_in_specflow_s_packages_makes_the_checkout_dirty(tmp_path):
+    """``--plugin drafters/mine.py``, a file git does not track: plugin_sources counts the packages'
+    modules as the commit's (no sha256), and git_dirty, counting tracked files only, said False, so
+    results.json named a clean commit that does not hold the code that ran."""
+    from specflow.bench.provenance import git_dirty
+
+    root = tmp_path.resolve()
+    (root / "drafters").mkdir()
+    (root / "drafters" / "__init__.py").write_text("")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "packages"]):
+        subprocess.run(git + args, check=True)
+    assert git_dirty(root) is False
+    (root / "mine.py").write_text("")  # outside the packages: a --plugin there is hashed into results.json
+    (root / "drafters" / "notes.txt").write_text("")
+    assert git_dirty(root) is False
+    (root / "drafters" / "mine.py").write_text("")
+    assert git_dirty(root) is True
 
 
 def test_a_git_that_times_out_leaves_git_dirty_unknown(monkeypatch):

@@ -97,3 +97,20 @@ def test_times_taken_with_check_drafts_on_are_marked(tmp_path):
     assert "check_drafts" not in (tmp_path / "results.md").read_text()
     write_report(results | {"check_drafts": True}, rows, tmp_path)
     assert "**engine.check_drafts is on**: each step" in (tmp_path / "results.md").read_text()
+
+
+def test_a_share_of_matching_prompts_reads_as_all_or_none_only_when_it_is(tmp_path):
+    """A pipeline matching the baseline on 479 of 480 prompts read "100%" in results.md (sampled or
+    lossy, without the § that flags a greedy lossless one), and 1 of 480 read "0%"."""
+    base = {"prompts": 480, "tokens": 8, "accept_length": 1.0, "tokens_per_s": 100.0, "speedup": 1.0,
+            "latency_s": LATENCY, "categories": {"code": {"accept_length": 1.0, "tokens_per_s": 100.0}}}
+    shares = {"all": 1.0, "most": 479 / 480, "half": 0.5, "one": 1 / 480, "none": 0.0}
+    results = {"name": "x", "target": "t", "device": "cpu", "dtype": "float32", "batch_size": 1, "num_prompts": 480,
+               "repeats": 1, "sampling": {"temperature": 0.8, "max_tokens": 8}, "torch_version": "2.5",
+               "git_commit": None, "pipelines": {"baseline": base} | {n: base | {"lossless": False,
+                                                                              "matches_baseline": f}
+                                                                     for n, f in shares.items()}}
+    write_report(results, {n: [{"accept_lengths": [1] * 8}] for n in results["pipelines"]}, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    for name, text in {"all": "100%", "most": ">99%", "half": "50%", "one": "<1%", "none": "0%"}.items():
+        assert f"| {name} | no | 1.00 | 100.0 | 1.00x | {text} |" in md
