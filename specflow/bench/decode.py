@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from specflow.bench.provenance import device_name, git_commit, git_dirty
 from specflow.engine import SpecEngine
 from specflow.sampling import SamplingParams
 
@@ -61,7 +62,10 @@ def run_decode_bench(target: str, batch_sizes: list[int] = (1, 8), max_tokens: i
               f"{str(row['same_tokens']):>12}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"target": str(target), "device": "cpu", "max_tokens": max_tokens,
-                                         "prompt_len": prompt_len, "torch_threads": torch.get_num_threads(),
-                                         "rows": rows}, indent=2))
+        cpu = torch.device("cpu")
+        Path(out).write_text(json.dumps({"target": str(target), "device": "cpu", "device_name": device_name(cpu),
+                                         "max_tokens": max_tokens, "prompt_len": prompt_len,
+                                         "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                                         "git_commit": git_commit(), "git_dirty": git_dirty(), "rows": rows},
+                                        indent=2))
     return rows

@@ -2,7 +2,10 @@
 
 import json
 
+import torch
+
 from specflow import SpecEngine
+from specflow.bench.provenance import device_name
 from specflow.cli import main
 
 
@@ -13,6 +16,9 @@ def test_the_decode_bench_times_specflow_and_transformers_generating_the_same_to
     result = json.loads(out.read_text())
     assert [r["batch_size"] for r in result["rows"]] == [1, 3]
     assert (result["max_tokens"], result["prompt_len"]) == (6, 5)
+    # where the numbers come from (the committed results had no commit, torch or CPU)
+    assert result["device_name"] == device_name(torch.device("cpu")) and result["torch_version"] == torch.__version__
+    assert {"git_commit", "git_dirty"} <= result.keys()
     for row in result["rows"]:
         assert row["same_tokens"] is True
         assert abs(row["ratio"] - row["specflow_tok_s"] / row["transformers_tok_s"]) < 1e-9 * row["ratio"]
