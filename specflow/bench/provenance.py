@@ -36,12 +36,14 @@ def git_commit(root: Path = ROOT) -> str | None:
 
 
 def git_dirty(root: Path = ROOT) -> bool | None:
-    """Whether the specflow checkout differs from its commit (None: no checkout): a tracked file
-    changed, or a module in its packages that git does not track (a ``--plugin drafters/mine.py``,
-    which plugin_sources counts as built in: its code is in no commit and has no sha256)."""
+    """Whether the code of the specflow checkout differs from its commit (None: no checkout): a
+    tracked file of its packages changed, or a module in them that git does not track (a
+    ``--plugin drafters/mine.py``, which plugin_sources counts as built in: its code is in no
+    commit and has no sha256). Files outside the packages (bench/results/, a README) are not code
+    that ran."""
     if git_commit(root) is None:
         return None
-    tracked = _git(root, "status", "--porcelain", "--untracked-files=no")
+    tracked = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *PACKAGES)
     untracked = _git(root, "ls-files", "--others", "--exclude-standard", "--", *PACKAGES)
     if tracked is None or untracked is None or tracked.returncode or untracked.returncode:
         return None

@@ -567,12 +567,13 @@ def test_results_name_the_plugin_files_and_a_dirty_checkout(tmp_path, tiny_targe
     assert results["plugins"][str(plugin.resolve())] == digest
     assert not any("/drafters/" in f or "/specflow/" in f for f in results["plugins"])  # (built-ins: git_commit's)
     assert f"plugin `{plugin.resolve()}` (sha256 {digest[:12]})" in (out / "results.md").read_text()
-    if (ROOT / ".git").exists():  # (a changed tracked file, or a module of its packages git does not track)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+    if (ROOT / ".git").exists():  # (a changed file of its packages, or a module there git does not track)
+        packages = ["--", "specflow", "drafters", "trees", "verifiers"]
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", *packages],
                                capture_output=True, text=True).stdout.strip() != "" or any(
-            f.endswith(".py") for f in subprocess.run(
-                ["git", "-C", str(ROOT), "ls-files", "--others", "--exclude-standard", "--", "specflow", "drafters",
-                 "trees", "verifiers"], capture_output=True, text=True).stdout.splitlines())
+            f.endswith(".py") for f in subprocess.run(["git", "-C", str(ROOT), "ls-files", "--others",
+                                                       "--exclude-standard", *packages],
+                                                      capture_output=True, text=True).stdout.splitlines())
         assert results["git_dirty"] is dirty
         assert ("with uncommitted changes" in (out / "results.md").read_text()) is dirty
     else:
@@ -596,6 +597,14 @@ def test_an_untracked_module_in_specflow_s_packages_makes_the_checkout_dirty(tmp
     (root / "drafters" / "notes.txt").write_text("")
     assert git_dirty(root) is False
     (root / "drafters" / "mine.py").write_text("")
+    assert git_dirty(root) is True
+    (root / "drafters" / "mine.py").unlink()
+    (root / "results.json").write_text("{}")   # a tracked file that is not code: a bench's committed results
+    subprocess.run(git + ["add", "results.json"], check=True)
+    subprocess.run(git + ["commit", "-qm", "results"], check=True)
+    (root / "results.json").write_text('{"new": 1}')
+    assert git_dirty(root) is False
+    (root / "drafters" / "__init__.py").write_text("x = 1")
     assert git_dirty(root) is True
 
 
