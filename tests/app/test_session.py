@@ -180,8 +180,8 @@ def test_lanes_of_one_pipeline_and_the_baseline_each_get_their_own_engine(pool):
     assert lanes[0].token_ids == lanes[1].token_ids == pool.cached_baseline(prompt, PARAMS)[1]
 
 
-def test_a_component_type_change_brings_that_type_s_parameters(tmp_path, tiny_target):
-    """(the old type's parameters stayed: ngram -> draft_model said "unknown key 'scope'")"""
+def panel_over(tmp_path, tiny_target, pipelines: str):
+    """Pipeline panel A over an experiment of ``pipelines`` (YAML list items), its first picked."""
     gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
     from specflow.app.panels import PipelinePanel
 
@@ -189,14 +189,20 @@ def test_a_component_type_change_brings_that_type_s_parameters(tmp_path, tiny_ta
 name: exp
 engine: {{target: {tiny_target}, device: cpu, dtype: float32}}
 pipelines:
+{pipelines}""")
+    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
+    with gr.Blocks():
+        return PipelinePanel("A", catalog, "exp / a")
+
+
+def test_a_component_type_change_brings_that_type_s_parameters(tmp_path, tiny_target):
+    """(the old type's parameters stayed: ngram -> draft_model said "unknown key 'scope'")"""
+    panel = panel_over(tmp_path, tiny_target, f"""\
   - {{name: a, drafter: {{type: ngram, max_window: 2}}, tree: {{type: chain}}, verifier: {{type: greedy}}}}
   - {{name: b, drafter: {{type: draft_model, path: {tiny_target}}}, tree: {{type: chain}},
      verifier: {{type: threshold, threshold_single: 0.4}}}}
   - {{name: c, drafter: {{type: ngram}}, tree: {{type: static, preset: medusa_63}}, verifier: {{type: greedy}}}}
 """)
-    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
-    with gr.Blocks():
-        panel = PipelinePanel("A", catalog, "exp / a")
     assert panel.listed_params("drafter", "draft_model") == f"{{path: {tiny_target}}}"
     assert panel.listed_params("drafter", "ngram") == "{max_window: 2}"
     assert panel.listed_params("drafter", "eagle") == "{}"
@@ -211,20 +217,13 @@ pipelines:
 
 def test_plain_decoding_shows_only_the_drafter_field(tmp_path, tiny_target):
     """(plain decoding showed a tree and a verifier it does not use)"""
-    gr = pytest.importorskip("gradio", reason="the app extra is not installed: pip install 'specflow[app]'")
-    from specflow.app.panels import FORM_FIELDS, PipelinePanel, form_values
-
-    (tmp_path / "exp.yaml").write_text(f"""\
-name: exp
-engine: {{target: {tiny_target}, device: cpu, dtype: float32}}
-pipelines:
-  - {{name: a, drafter: {{type: ngram, max_window: 2}}, tree: {{type: eagle2}}, verifier: {{type: greedy}}}}
+    panel = panel_over(tmp_path, tiny_target, """\
+  - {name: a, drafter: {type: ngram, max_window: 2}, tree: {type: eagle2}, verifier: {type: greedy}}
 """)
-    catalog = load_catalog(tmp_path / "exp.yaml", config_dir=tmp_path)
+    from specflow.app.panels import FORM_FIELDS, form_values
+
     shown = [name for name, v in zip(FORM_FIELDS, form_values(PipelineForm.from_pipeline(PLAIN))) if v["visible"]]
     assert shown == ["drafter_type"]
-    with gr.Blocks():
-        panel = PipelinePanel("A", catalog, "exp / a")
     values = panel.drafter_type_changed(NO_DRAFTER, "{max_window: 2}", "eagle2", 5, 8, 32, "{}", "greedy", "{}")
     assert [v["visible"] for v in values] == [True] + [False] * 8
     values = panel.drafter_type_changed("ngram", "{}", "eagle2", 5, 8, 32, "{}", "greedy", "{}")
