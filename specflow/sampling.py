@@ -201,11 +201,11 @@ def target_probs(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     top-k keeps every token at least as likely as the k-th most likely (ties included), top-p
     the smallest prefix of the sorted distribution that reaches top_p (tied tokens in index
     order), min-p the tokens at least min_p x the top one; the top token always survives. Only
-    top-p sorts, and only when a
-    sampled row uses it. Greedy rows (temperature 0) become one-hot at the argmax, so every
-    acceptance rule reduces to "accept iff the draft equals the argmax" for them. Non-finite
-    logits cannot break a batch: +inf tokens share the row's mass, NaN ones get none, and a row
-    left without mass (all -inf or NaN) is all zeros (``sample_rows`` gives token 0).
+    top-p sorts, and only when a sampled row uses it. Greedy rows (temperature 0) become one-hot
+    at the argmax, so every acceptance rule reduces to "accept iff the draft equals the argmax"
+    for them. Non-finite logits cannot break a batch: +inf tokens share the row's mass, NaN ones
+    get none, and a row left without mass (all -inf or NaN) is all zeros (``sample_rows`` gives
+    token 0).
     """
     logits = logits.float()
     b, n, v = logits.shape

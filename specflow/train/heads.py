@@ -32,7 +32,8 @@ def head_data(run: TrainConfig, recipe: str) -> HeadData:
         raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
     tokenizer = target_tokenizer(run.target)
     target = frozen(load_model(run.target))
-    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed, vocab_size=target.config.vocab_size)
+    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
+                                       vocab_size=target.config.vocab_size)
     return HeadData(target, train, val, info)
 
 
