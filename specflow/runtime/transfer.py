@@ -22,8 +22,16 @@ from torch import Tensor
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
     """The bytes of ``tensors`` (one device) as one uint8 tensor [sum of nbytes], in the order
     ``unpack`` reads them (largest element first)."""
-    parts = [t.contiguous().view(-1).view(torch.uint8) for t in sorted(tensors, key=lambda t: -t.element_size())]
+    parts = [_flat(t).view(torch.uint8) for t in sorted(tensors, key=lambda t: -t.element_size())]
     return torch.cat(parts, out=out)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """``t``'s elements in order, 1-D with stride 1 (a view where ``t`` is contiguous). A tensor of
+    at most one element counts as contiguous whatever its stride (a column of a one-row batch, an
+    expanded scalar), and a byte view refuses a stride other than 1."""
+    flat = t.contiguous().view(-1)
+    return flat.as_strided((flat.numel(),), (1,))
 
 
 def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:

@@ -36,10 +36,12 @@ def test_unpack_inverts_pack(specs, seed):
 
 
 def test_pack_takes_strided_tensors():
-    """Column views (SamplingBatch's per-request floats) and transposes pack by value."""
+    """Column views (SamplingBatch's per-request floats, of one request too), expanded scalars and
+    transposes pack by value."""
     floats = torch.rand(4, 3)
-    xs = [floats[:, 1], floats.t(), torch.arange(12).view(3, 4)[:, ::2]]
-    assert not any(x.is_contiguous() for x in xs)
+    xs = [floats[:, 1], floats.t(), torch.arange(12).view(3, 4)[:, ::2], floats[:1, 2], torch.tensor(0.5).expand(1),
+          floats[:0, 1]]
+    assert [x.stride(-1) for x in xs[3:]] == [3, 0, 3]  # one element or none: "contiguous", stride not 1
     for x, y in zip(xs, unpack(pack(xs), xs)):
         assert y.shape == x.shape and torch.equal(x, y)
 
