@@ -85,7 +85,7 @@ class GraphRunner:
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
         self.beams: dict[tuple, object] = {}  # EAGLE-2 beams' graphs (specflow.runtime.beam)
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.MemPool() if capture else None  # shared by every graph here (see record)
         # the padding rows' own page(s): their K/V is written there and nowhere else
         try:
             runner.cache.reserve([PAD_REQUEST], [max_tokens_per_request])
@@ -172,17 +172,22 @@ class GraphRunner:
             g.hidden, g.taps = self._run(g, taps)
 
 
-def record(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Capture ``run()`` (which reads and writes static tensors only) into a CUDA graph, after a
-    warm-up on a side stream (allocator, lazy kernels); the graph has run once on return, and
-    ``run()``'s outputs are the tensors every replay overwrites."""
+def record(run: Callable[[], T], pool: torch.cuda.MemPool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``run()`` (which reads and writes static tensors only) into a CUDA graph that
+    allocates from ``pool``, after a warm-up on a side stream (allocator, lazy kernels); the graph
+    has run once on return, and ``run()``'s outputs are the tensors every replay overwrites.
+
+    The pool is a ``MemPool`` object, not a bare ``graph_pool_handle()``: the object holds a use
+    of the pool while it lives. With a bare handle, replacing the pool's only graph (a batch-1
+    decode graph outgrown by its context) leaves the pool unused but still holding memory, and
+    PyTorch then refuses every later capture into it ("use_count > 0 INTERNAL ASSERT")."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool.id):
         outputs = run()
     graph.replay()
     return graph, outputs
@@ -198,7 +203,7 @@ class RowGraphs:
         self.fn = fn
         self.sizes = capture_sizes(max_rows)
         self.capture = capture
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.MemPool() if capture else None
         self.graphs: dict[tuple, tuple] = {}  # (size, row shape, dtype) -> (static in, static out, graph or None)
 
     @torch.inference_mode()

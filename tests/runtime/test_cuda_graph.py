@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specflow.engine import SpecEngine
 from specflow.models import load_model
-from specflow.runtime.cuda_graph import PAD_REQUEST, RowGraphs, capture_sizes, kv_bucket, token_bucket
+from specflow.runtime.cuda_graph import PAD_REQUEST, RowGraphs, capture_sizes, kv_bucket, record, token_bucket
 from specflow.runtime.model_runner import ModelRunner
 from specflow.sampling import SamplingParams
 from specflow.tree import ancestor_mask
@@ -136,6 +136,23 @@ def test_captured_graphs_equal_plain_on_cuda(tiny_target):
     for seed in range(4):
         run_steps(plain, graphed, seed, steps=8)
     assert all(g.graph is not None for g in graphed.graphs.graphs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_pool_takes_captures_after_its_only_graph_is_replaced(tiny_target):
+    """A batch-1 decode graph outgrown by its context is its pool's only graph: replacing it must
+    leave the pool open for the next capture (PyTorch refuses a pool whose last graph went while
+    its memory lives on; that stopped the 8B decode benchmark)."""
+    runner = ModelRunner(load_model(tiny_target, device="cuda"), num_pages=64)
+    runner.enable_graphs(max_batch_size=1, max_tokens_per_request=1)
+    x = torch.arange(4.0, device="cuda")
+    graph, doubled = record(lambda: x * 2, runner.graphs.pool)
+    del graph  # `doubled` still holds the pool's memory
+    graph, shifted = record(lambda: x + 1, runner.graphs.pool)
+    x.fill_(1.0)
+    graph.replay()
+    assert shifted.tolist() == [2.0] * 4 and doubled.tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
