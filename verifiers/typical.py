@@ -58,5 +58,5 @@ class TypicalVerifier:
         accepted, accept_len, last = accept_path(tree, torch.where(greedy.view(b, 1), is_argmax, typical))
         # the bonus reads one row per request: process only those
         last_logits = logits[torch.arange(b, device=logits.device), last.to(logits.device)]  # [B, V]
-        u = None if bool(greedy.all()) else bonus_draws(tree, accept_len, sampling, logits.device)
+        u = None if bool(sampling.greedy.all()) else bonus_draws(tree, accept_len, sampling, logits.device)  # (host)
         return Verdict(accepted, accept_len, next_tokens(last_logits, sampling, u))
