@@ -119,7 +119,7 @@ def install(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_graph, "record", record)
     monkeypatch.setattr(beam, "record", record)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: object())  # (a dummy class in CPU builds)
     init = cuda_graph.GraphRunner.__init__
     rows_init = cuda_graph.RowGraphs.__init__
 
