@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from specflow.bench.experiment import RESULT_FILES, execute
 from specflow.bench.experiment_config import PipelineConfig, load_experiment
+from specflow.bench.report import BROKEN_CLAIM_MARK, lossless_cell, matches_cell
 from specflow.config import ConfigError
 from specflow.pipeline import Pipeline
 
@@ -132,21 +133,29 @@ def run_sweep(path: str | Path, grid: list[str], overrides: list[str] | None = N
 
 def write_summary(results: dict[str, dict], settings: dict[str, dict], out_dir: Path) -> None:
     """sweep.json (each run point's settings and results) and sweep.md: one row per run point and
-    pipeline point, each speedup against its own run point's baseline, the best point of each marked."""
+    pipeline point, each speedup against its own run point's baseline, the best point of each
+    marked, with the lossless claim and the share of prompts matching the baseline as in results.md."""
     points = {name: {"settings": settings[name], "results": res} for name, res in results.items()}
     (out_dir / "sweep.json").write_text(json.dumps({"points": points}, indent=2, default=str))
     keys = list(next(iter(settings.values())))
     lines = [f"# {out_dir.name}", "", "Each run point has its own baseline, in its own directory (results.md "
-             "there has the categories); `*` marks the run point's best pipeline.", "",
-             "| " + " | ".join(keys) + " | pipeline | accept length | tokens/s | speedup | baseline tokens/s |",
-             "|---" * (len(keys) + 5) + "|"]
+             "there has the categories and what the columns mean); `*` marks the run point's best pipeline.", "",
+             "| " + " | ".join(keys) + " | pipeline | lossless | accept length | tokens/s | speedup | matches baseline "
+             "| baseline tokens/s |", "|---" * (len(keys) + 7) + "|"]
+    contradicted = False
     for name, res in results.items():
         base = res["pipelines"]["baseline"]["tokens_per_s"]
         for pipe, s in res["pipelines"].items():
             if pipe == "baseline":
                 continue
-            cells = ([pipe, "failed", "", "", ""] if "error" in s else
-                     [pipe + (" *" if pipe == res["best"] else ""), f"{s['accept_length']:.2f}",
-                      f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{base:.1f}"])
+            lossless = lossless_cell(s, res["sampling"].get("temperature") == 0)
+            contradicted |= lossless.endswith(BROKEN_CLAIM_MARK)
+            cells = ([pipe, lossless, "failed", "", "", "", ""] if "error" in s else
+                     [pipe + (" *" if pipe == res["best"] else ""), lossless, f"{s['accept_length']:.2f}",
+                      f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", matches_cell(s),
+                      f"{base:.1f}"])
             lines.append("| " + " | ".join([*map(str, settings[name].values()), *cells]) + " |")
+    if contradicted:
+        lines += ["", f"{BROKEN_CLAIM_MARK} declared lossless, yet at temperature 0 some prompts part from the "
+                      "baseline: see that run point's results.md."]
     (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")

@@ -323,6 +323,9 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
         assert f"best at {name}: {results['best']}  (speedup" in printed
     table = (out / "sweep.md").read_text().splitlines()
     assert sum(line.startswith("| 2 | 0.8 | depth=") for line in table) == 2
+    assert "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline |" in table[4]
+    greedy = [line.split(" | ") for line in table if line.startswith("| 1 | 0 | depth=")]  # rejection at T = 0
+    assert len(greedy) == 2 and all(cells[3] == "yes" and cells[7] == "100%" for cells in greedy), greedy
     assert sum(" * |" in line for line in table) == 4  # one best per run point
     main(["sweep", str(path), "--grid", "tree.depth=1,3", "sampling.max_tokens=3"])   # and back: one run
     assert (out / "results.md").exists() and not (out / "sweep.md").exists()
