@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specflow.bench.decode import best_times
+from specflow.bench.provenance import git_commit, git_dirty
 from specflow.engine import SpecEngine
 from specflow.models import LlamaForCausalLM, ModelConfig
 from specflow.models.llama import checkpoint_state
@@ -271,7 +272,8 @@ def environment(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "flashinfer": flashinfer_version,
             "cuda": torch.version.cuda, "backend": args.backend,
-            "dtype": str(dtype).removeprefix("torch."), "tiny": args.tiny}
+            "dtype": str(dtype).removeprefix("torch."), "tiny": args.tiny,
+            "git_commit": git_commit(), "git_dirty": git_dirty()}
 
 
 def write_result(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bench: str,

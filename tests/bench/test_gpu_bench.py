@@ -13,7 +13,8 @@ from specflow.bench import gpu
 from specflow.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV_KEYS = {"bench", "device", "torch", "transformers", "flashinfer", "backend", "attention", "dtype", "tiny", "note"}
+ENV_KEYS = {"bench", "device", "torch", "transformers", "flashinfer", "backend", "attention", "dtype", "tiny", "note",
+            "git_commit", "git_dirty"}
 
 
 def script(name: str):
