@@ -121,9 +121,13 @@ def test_the_same_pipeline_in_both_lanes_runs_twice(page):
 
 
 def ask_for_512_tokens(page) -> None:
+    """Set max_tokens to 512 and wait until the slider itself holds it: a click on Generate sends the
+    slider's value (once, on a loaded CI machine, a run went with the default 16 tokens)."""
     page.get_by_text("sampling", exact=True).click()   # (the accordion)
     page.locator("#max-tokens input[type=number]").fill("512")
     page.locator("#max-tokens input[type=number]").press("Enter")
+    page.wait_for_function("document.querySelector('#max-tokens input[type=range]')?.value === '512'",
+                           timeout=WAIT_MS)
 
 
 def start_a_long_run(page) -> None:
