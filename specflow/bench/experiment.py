@@ -24,8 +24,8 @@ from specflow.registry import plugin_sources
 from specflow.runtime.cuda_graph import capture_sizes
 
 
-ROW_KEYS = ("id", "category", "turn", "prompt_tokens", "tokens", "max_tokens", "steps", "accept_lengths",
-            "tried_depths", "seconds", "batch")  # rows.jsonl
+ROW_KEYS = ("id", "category", "turn", "prompt_tokens", "tokens", "token_ids", "max_tokens", "steps",
+            "accept_lengths", "tried_depths", "seconds", "batch")  # rows.jsonl
 RESULT_FILES = ("results.json", "results.md", "speedup.png", "rows.jsonl", "steps.jsonl", "config.yaml")  # a run's
 
 

@@ -98,8 +98,12 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     rows = read_jsonl(out / "rows.jsonl")
     assert [(r["pipeline"], r["batch"]) for r in rows] == [(p, b) for p in ("baseline", "pld", "self-eagle2")
                                                           for b in (0, 1)]
-    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "prompt_tokens", "tokens", "max_tokens", "steps",
-                            "accept_lengths", "tried_depths", "seconds", "batch"}
+    assert set(rows[0]) == {"pipeline", "id", "category", "turn", "prompt_tokens", "tokens", "token_ids", "max_tokens",
+                            "steps", "accept_lengths", "tried_depths", "seconds", "batch"}
+    # each prompt's output ids, so a reader can check a lossless pipeline prompt by prompt
+    outputs = {(r["pipeline"], r["id"]): r["token_ids"] for r in rows}
+    assert all(len(r["token_ids"]) == r["tokens"] for r in rows)
+    assert all(outputs["self-eagle2", r["id"]] == r["token_ids"] for r in rows if r["pipeline"] == "baseline")
     steps = read_jsonl(out / "steps.jsonl")
     for r in rows:
         mine = [s for s in steps if (s["pipeline"], s["id"]) == (r["pipeline"], r["id"])]
