@@ -5,13 +5,14 @@
 #   bash bench/gpu/session.sh test     # set up (.wheels carried along), then `pytest -m gpu`
 #   bash bench/gpu/session.sh bench1   # decode_roofline + verify_step at the real (8B) shape
 #   bash bench/gpu/session.sh bench2   # spec_step + tiny_family
+#   bash bench/gpu/session.sh long     # verify_step + spec_step over a 4096-token context, both backends
 #
 # What travels to the machine (tracked files, 27 MiB, and .wheels, 34 MiB) must stay under 64 MiB:
 # check `du -sh .wheels` and the zoo's size after changing either.
 # Copy $OUT/*.json to bench/results/ and commit them. Extra pytest / benchmark arguments follow
 # the phase (e.g. `test -k flashinfer`, `bench1 --backend flashinfer`).
 set -uo pipefail
-phase=${1:?usage: session.sh test|bench1|bench2 [args...]}
+phase=${1:?usage: session.sh test|bench1|bench2|long [args...]}
 shift
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -28,11 +29,11 @@ export FLASHINFER_DISABLE_JIT=1 FLASHINFER_USE_CUDA_NORM=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-workspace}
 echo "setup: ${SECONDS}s"
 
-bench() {  # name, time limit in seconds, extra args
-    local name=$1 limit=$2
+bench() {  # script[=result name], time limit in seconds, extra args
+    local script=${1%%=*} name=${1#*=} limit=$2
     shift 2
     local start=$SECONDS
-    timeout -s INT -k 30 "$limit" python "bench/gpu/$name.py" --out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+    timeout -s INT -k 30 "$limit" python "bench/gpu/$script.py" --out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name rc=$? $((SECONDS - start))s"
     grep -v 'Loading weights' "$OUT/$name.log" | tail -15
 }
@@ -48,8 +49,14 @@ case $phase in
     bench2)
         bench spec_step 240 --profile "$@"
         bench tiny_family 200 "$@" ;;
+    long)  # which backend where: the README's advice was measured over 128-token prompts
+        for backend in auto torch; do
+            suffix=$([ $backend = torch ] && echo _torch)
+            bench verify_step=verify_step_4k$suffix 70 --prefix-len 4096 --backend $backend "$@"
+            bench spec_step=spec_step_4k$suffix 90 --prompt-len 4096 --batch-sizes --backend $backend "$@"
+        done ;;
     *)
-        echo "unknown phase '$phase': test, bench1 or bench2" >&2
+        echo "unknown phase '$phase': test, bench1, bench2 or long" >&2
         exit 2 ;;
 esac
 echo "total: ${SECONDS}s"

@@ -4,7 +4,11 @@
 random bfloat16 weights made on the GPU (issue 5, item 4).
 
     python bench/gpu/spec_step.py --out bench/results/spec_step.json
+    python bench/gpu/spec_step.py --prompt-len 4096 --batch-sizes --out bench/results/spec_step_4k.json
     python bench/gpu/spec_step.py --tiny --out /tmp/spec_step.json   # CPU smoke run
+
+``--batch-sizes`` with no sizes leaves the tokens/s out: each of those runs prefills its prompts,
+which a long prompt makes most of its time.
 
 Random weights make acceptance meaningless (the head has not learnt the target): read the step
 times and the cost of speculation from this benchmark, and tokens/s only together with the
@@ -42,12 +46,15 @@ def random_eagle_head(target, device: torch.device, dtype: torch.dtype) -> Eagle
 
 def run(args) -> dict:
     device, dtype = gpu.setup(args)
-    s = TINY if args.tiny else REAL
+    s = dict(TINY if args.tiny else REAL)
+    s.update({k: v for k, v in (("prompt_len", args.prompt_len), ("batch_sizes", args.batch_sizes)) if v is not None})
     cfg = gpu.llama_config(args.tiny)
     target = gpu.random_llama(cfg, device, dtype)
     head = random_eagle_head(target, device, dtype)
-    max_b = max(s["batch_sizes"])
-    kv_tokens = max_b * (s["prompt_len"] + s["new_tokens"] + 2 * TREE["num_draft_tokens"])
+    max_b = max(s["batch_sizes"], default=1)
+    scratch = 2 * TREE["num_draft_tokens"]  # a tree, and the graphs' padding of a tree level
+    step_tokens = (s["iters"] + s["warmup"] + 4) * (TREE["depth"] + 1)  # the most one timed request of step_ms commits
+    kv_tokens = max(max_b * (s["prompt_len"] + s["new_tokens"] + scratch), s["prompt_len"] + step_tokens + scratch)
     common = dict(**gpu.engine_options(args), kv_cache_tokens=kv_tokens, max_batch_size=max_b)
     plain = SpecEngine(target, verifier=GreedyVerifier(), **common)
     drafter = EagleDrafter(head, kv_cache_tokens=kv_tokens, runtime=plain.runtime)  # the engine's backend, graphs
@@ -73,7 +80,8 @@ def run(args) -> dict:
         rows.append({"batch_size": b, "plain_tok_s": b * s["new_tokens"] / t_plain,
                      "spec_tok_s": b * s["new_tokens"] / t_spec, "spec_tokens_per_step": gpu.tokens_per_step(last["spec"])})
     gpu.print_table([{"": "decode step", "ms": decode_ms}, {"": "spec step", "ms": spec_ms}], ["", "ms"])
-    gpu.print_table(rows, ["batch_size", "plain_tok_s", "spec_tok_s", "spec_tokens_per_step"])
+    if rows:
+        gpu.print_table(rows, ["batch_size", "plain_tok_s", "spec_tok_s", "spec_tokens_per_step"])
     result = {
         "model": gpu.shape_of(cfg),
         "head": {"type": "eagle", "num_hidden_layers": 1, "fc": [cfg.hidden_size, 2 * cfg.hidden_size]},
@@ -108,7 +116,12 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(gpu.parser(__doc__).parse_args(argv))
+    p = gpu.parser(__doc__)
+    p.add_argument("--prompt-len", type=int, help=f"tokens of each prompt (default {REAL['prompt_len']}, "
+                                                   f"--tiny {TINY['prompt_len']})")
+    p.add_argument("--batch-sizes", type=int, nargs="*", help=f"of the tokens/s runs (default {REAL['batch_sizes']}, "
+                                                               f"--tiny {TINY['batch_sizes']})")
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 a cached prefix, on a Llama-3.1-8B-shaped model with random bfloat16 weights (issue 5, item 4).
 
     python bench/gpu/verify_step.py --out bench/results/verify_step.json
+    python bench/gpu/verify_step.py --prefix-len 4096 --out bench/results/verify_step_4k.json
     python bench/gpu/verify_step.py --tiny --out /tmp/verify_step.json   # CPU smoke run
 
 Both are ``runner.extend`` calls with logits for every new token, as the engine makes them: the
@@ -41,7 +42,9 @@ def random_tree(num_nodes: int, topk: int, depth: int, gen: torch.Generator) -> 
 
 def run(args) -> dict:
     device, dtype = gpu.setup(args)
-    s = TINY if args.tiny else REAL
+    s = dict(TINY if args.tiny else REAL)
+    if args.prefix_len is not None:
+        s["prefix_len"] = args.prefix_len
     cfg = gpu.llama_config(args.tiny)
     model = gpu.random_llama(cfg, device, dtype)
     prefix = s["prefix_len"]
@@ -89,7 +92,10 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(gpu.parser(__doc__).parse_args(argv))
+    p = gpu.parser(__doc__)
+    p.add_argument("--prefix-len", type=int, help=f"cached tokens before the step (default {REAL['prefix_len']}, "
+                                                   f"--tiny {TINY['prefix_len']})")
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,15 @@ def test_spec_step(tmp_path, graphs):
         assert positive(row["plain_tok_s"], row["spec_tok_s"]) and row["spec_tokens_per_step"] >= 1
 
 
+def test_a_longer_context_is_an_option(tmp_path):
+    """(the README's backend advice needs steps over a long cached context)"""
+    v = run_tiny("verify_step", tmp_path, "--prefix-len", "300")
+    assert v["shapes"]["prefix_len"] == 300 and positive(*v["verify_step_ratio"].values())
+    r = run_tiny("spec_step", tmp_path, "--prompt-len", "300", "--batch-sizes")
+    assert r["shapes"]["prompt_len"] == 300 and r["shapes"]["batch_sizes"] == [] == r["throughput"]
+    assert positive(r["decode_step_ms"], r["spec_step_ms"], r["spec_step_ratio_steady"])
+
+
 def test_steady_step_ms_drains_the_device_around_the_block_only(monkeypatch):
     """Plain decoding launches a step's forward before it lands the last one, so a step timed from
     an idle device (``step_ms``) adds the launch's host work that a running decode hides: the
