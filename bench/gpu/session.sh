@@ -5,12 +5,16 @@
 #   bash bench/gpu/session.sh test     # set up (.wheels carried along), then `pytest -m gpu`
 #   bash bench/gpu/session.sh bench1   # decode_roofline + verify_step at the real (8B) shape
 #   bash bench/gpu/session.sh bench2   # spec_step + tiny_family
-#   bash bench/gpu/session.sh long     # verify_step + spec_step over a 4096-token context, both backends
+#   CONTEXTS='1024 4096' bash bench/gpu/session.sh long   # verify_step + spec_step over those
+#                                      # cached contexts (default 4096), both backends
 #
 # What travels to the machine (tracked files, 27 MiB, and .wheels, 34 MiB) must stay under 64 MiB:
 # check `du -sh .wheels` and the zoo's size after changing either.
-# Copy $OUT/*.json to bench/results/ and commit them. Extra pytest / benchmark arguments follow
-# the phase (e.g. `test -k flashinfer`, `bench1 --backend flashinfer`).
+# Copy $OUT/*.json to bench/results/ and commit them. The device tool's copy of .git can lag the
+# working tree it sends (on 2026-11-22 it said 840e6c2, dirty): set git_commit / git_dirty to the
+# commit the run was sent from before committing, and say so in the commit message.
+# Extra pytest / benchmark arguments follow the phase (e.g. `test -k flashinfer`,
+# `bench1 --backend flashinfer`).
 set -uo pipefail
 phase=${1:?usage: session.sh test|bench1|bench2|long [args...]}
 shift
@@ -50,10 +54,12 @@ case $phase in
         bench spec_step 240 --profile "$@"
         bench tiny_family 200 "$@" ;;
     long)  # which backend where: the README's advice was measured over 128-token prompts
-        for backend in auto torch; do
-            suffix=$([ $backend = torch ] && echo _torch)
-            bench verify_step=verify_step_4k$suffix 70 --prefix-len 4096 --backend $backend "$@"
-            bench spec_step=spec_step_4k$suffix 90 --prompt-len 4096 --batch-sizes --backend $backend "$@"
+        for context in ${CONTEXTS:-4096}; do
+            for backend in auto torch; do
+                suffix=_ctx$context$([ $backend = torch ] && echo _torch)
+                bench verify_step=verify_step$suffix 70 --prefix-len $context --backend $backend "$@"
+                bench spec_step=spec_step$suffix 90 --prompt-len $context --batch-sizes --backend $backend "$@"
+            done
         done ;;
     *)
         echo "unknown phase '$phase': test, bench1, bench2 or long" >&2
