@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from specflow.config import ConfigError
-from specflow.models import LlamaForCausalLM, load_model
+from specflow.models import LlamaForCausalLM
 from specflow.models.loader import load_config
 from specflow.train.config import TrainConfig
 from specflow.train.data import ChunkDataset, target_tokenizer, training_chunks
 from specflow.train.lm import causal_forward
-from specflow.train.module import frozen
+from specflow.train.module import frozen_target
 
 
 @dataclass
@@ -27,11 +27,12 @@ class HeadData:
 
 
 def head_data(run: TrainConfig, recipe: str) -> HeadData:
-    """Load ``run.target`` (frozen) and cut its tokenizer's view of the data into chunks."""
+    """Load ``run.target`` (frozen, in the dtype ``run.trainer.precision`` computes in) and cut its
+    tokenizer's view of the data into chunks."""
     if run.target is None:
         raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
     tokenizer = target_tokenizer(run.target)
-    target = frozen(load_model(run.target))
+    target = frozen_target(run.target, run.trainer.precision)
     train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
                                        vocab_size=target.config.vocab_size)
     return HeadData(target, train, val, info)

@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from specflow.config import ConfigError, check_at_least
-from specflow.models import LlamaForCausalLM, ModelConfig, load_model, save_model
+from specflow.models import LlamaForCausalLM, ModelConfig, save_model
 from specflow.models.loader import resolve_dtype
 from specflow.train.attention import CausalAttention
 from specflow.train.config import RECIPES, OptimConfig, TrainConfig, TrainJob
 from specflow.train.data import target_tokenizer, training_chunks
-from specflow.train.module import TrainModule, count_params, frozen, soft_cross_entropy
+from specflow.train.module import TrainModule, count_params, frozen, frozen_target, soft_cross_entropy
 
 
 @dataclass
@@ -180,7 +180,7 @@ class DistillRecipe:
         if run.target is None:
             raise ConfigError("recipe 'distill' needs 'target': the checkpoint to distil from")
         tokenizer = target_tokenizer(run.target)
-        teacher = load_model(run.target)
+        teacher = frozen_target(run.target, run.trainer.precision)
         train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
                                            vocab_size=teacher.config.vocab_size)
         model = build_llama(self.cfg.model, teacher.config.vocab_size, tokenizer.eos_token_id, run.seed)

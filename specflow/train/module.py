@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specflow.models import LlamaForCausalLM, load_model
 from specflow.train.config import OptimConfig
 
 
@@ -71,3 +73,13 @@ def count_params(module: nn.Module) -> int:
 def frozen(model: nn.Module) -> nn.Module:
     """``model`` in eval mode with no gradients to its parameters (a target read by a recipe)."""
     return model.requires_grad_(False).eval()
+
+
+HALF = {"bf16": torch.bfloat16, "16": torch.float16}  # Lightning precision -> what it computes in
+
+
+def frozen_target(path: str | Path, precision: str) -> LlamaForCausalLM:
+    """The checkpoint at ``path``, frozen, in the dtype Lightning's ``precision`` computes in:
+    bfloat16 or float16 under "bf16-mixed", "16-mixed", "bf16-true" and the like (its matmuls run
+    in half under autocast anyway, and an 8B target then holds 16 GB, not 32), float32 otherwise."""
+    return frozen(load_model(path, dtype=HALF.get(str(precision).split("-")[0], torch.float32)))

@@ -153,3 +153,22 @@ def test_a_head_export_reads_the_target_weights_no_second_time(recipe, tmp_path,
     assert reads == [tiny_target / "model.safetensors"]
     loaders = {"eagle": load_eagle, "eagle3": load_eagle3, "medusa": load_medusa}
     assert loaders[recipe["type"]](tmp_path / "out", load_model(tiny_target))   # (the export loads back)
+
+
+@pytest.mark.parametrize("recipe", [{"type": "eagle"}, {"type": "eagle3", "taps": [1]},
+                                    {"type": "medusa", "num_heads": 2}, {"type": "distill", "model": SHAPE}],
+                         ids=lambda r: r["type"])
+def test_the_frozen_target_is_loaded_in_the_dtype_the_run_computes_in(recipe, tmp_path, tiny_target):
+    """(a head recipe loaded its target in float32 whatever the precision: an 8B target held 32 GB
+    under bf16-mixed, whose matmuls run in bfloat16 anyway); the trained weights stay float32"""
+    data = {"generated_tokens": 1200} if recipe["type"] == "eagle3" else None
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
+        cfg = tiny_config(tmp_path / precision, recipe, target=tiny_target, steps=2, data=data,
+                          trainer_extra={"precision": precision, "log_every_n_steps": 1})
+        module = train(cfg).module
+        target = module.teacher if recipe["type"] == "distill" else module.target
+        assert {p.dtype for p in target.parameters()} == {dtype}
+        assert {p.dtype for p in module.trainable().parameters() if p.requires_grad} == {torch.float32}
+        losses = [float(r["train/loss"]) for r in csv.DictReader((tmp_path / precision / "log" / "metrics.csv").open())
+                  if r.get("train/loss")]
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
