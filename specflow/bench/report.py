@@ -103,6 +103,9 @@ def write_report(results: dict, rows: dict[str, list[dict]], out_dir: Path) -> N
         best = results["best"]
         lines += ["", "## Best", "", f"`{best}`: speedup {finished[best]['speedup']:.2f}x, accept length "
                                      f"{finished[best]['accept_length']:.2f}" if best else "no point finished"]
+        if "best_confirmed" in results:
+            lines[-1] += (f"; {results['best_confirmed']['speedup']:.2f}x in fresh rounds of the baseline and "
+                          f"this point alone (the best of several noisy speedups overstates its own)")
     cut = {n: s for n, s in finished.items() if s.get("turns_shortened") or s.get("turns_left_out")}
     if cut:
         lines += ["", "## Cut by the model's context", "", "Turns whose chat left fewer than max_tokens new tokens "

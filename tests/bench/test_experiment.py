@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from specflow.bench import experiment
 from specflow.bench.experiment import context_cuts, run_pipeline, warmup_batch_sizes
 from specflow.bench.summary import acceptance_by_depth, summarize
 from specflow.bench.experiment_config import (ExperimentConfig, PipelineConfig, SamplingConfig, load_experiment,
@@ -282,7 +283,10 @@ def test_repeats_hold_one_run_of_step_records_at_a_time(tmp_path, tiny_target, m
         assert len([s for s in steps if s["pipeline"] == r["pipeline"]]) == r["steps"]
 
 
-def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
+def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys, monkeypatch):
+    ran = []   # the runs' progress labels
+    monkeypatch.setattr(experiment, "run_pipeline", lambda engine, prompts, cfg, desc:
+                        ran.append(desc) or run_pipeline(engine, prompts, cfg, desc))
     other_vocab = make_random_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1, vocab_size=300)
     path = write_config(tmp_path, tiny_target, """
   - name: chain
@@ -299,8 +303,16 @@ def test_sweep_saves_the_best_finished_point(tmp_path, tiny_target, capsys):
     assert len(results["pipelines"]) == 5 and results["pipelines"][f"depth=3,path={tiny_target}"]["tokens"] == 2 * 5
     best = results["best"]
     assert best in (f"depth=1,path={tiny_target}", f"depth=3,path={tiny_target}")
+    # measured again in rounds of its own, after the pick: the best of noisy speedups overstates its own
+    assert ran == ["baseline", f"depth=1,path={tiny_target}", f"depth=3,path={tiny_target}",
+                   "baseline (confirming)", f"{best} (confirming)"]
+    again = results["best_confirmed"]
+    assert again["pipeline"] == best and again["speedup"] > 0 and again["tokens_per_s"] > 0
+    assert again["baseline_tokens_per_s"] == pytest.approx(again["tokens_per_s"] / again["speedup"])
     assert f"best: {best}  (speedup" in capsys.readouterr().out
-    assert f"## Best\n\n`{best}`: speedup" in (out / "results.md").read_text()
+    assert (f"## Best\n\n`{best}`: speedup {results['pipelines'][best]['speedup']:.2f}x, accept length "
+            f"{results['pipelines'][best]['accept_length']:.2f}; {again['speedup']:.2f}x in fresh rounds"
+            in (out / "results.md").read_text())
 
 
 def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_path, tiny_target, capsys):
@@ -330,7 +342,8 @@ def test_sweep_over_batch_size_and_temperature_runs_a_baseline_per_point(tmp_pat
     assert "| pipeline | lossless | accept length | tokens/s | speedup | matches baseline |" in table[4]
     greedy = [line.split(" | ") for line in table if line.startswith("| 1 | 0 | depth=")]  # rejection at T = 0
     assert len(greedy) == 2 and all(cells[3] == "yes" and cells[7] == "100%" for cells in greedy), greedy
-    assert sum(" * |" in line for line in table) == 4  # one best per run point
+    assert sum(re.search(r" \* \|.*\| \d+\.\d\dx \(\d+\.\d\dx fresh\) \|", line) is not None
+               for line in table) == 4  # one best per run point, measured again
     main(["sweep", str(path), "--grid", "tree.depth=1,3", "sampling.max_tokens=3"])   # and back: one run
     assert (out / "results.md").exists() and not (out / "sweep.md").exists()
 
@@ -342,6 +355,8 @@ def test_a_run_point_of_null_reaches_the_engine_as_null(tmp_path, tiny_target):
     out = tmp_path / "runs" / "tiny-sweep"
     configs = [yaml.safe_load((out / f"spec_max_batch_size={v},max_tokens=2" / "config.yaml").read_text()) for v in ("None", 0)]
     assert [c["engine"]["spec_max_batch_size"] for c in configs] == [None, 0]
+    # one pipeline point: no pick, so no rounds to confirm it
+    assert "best_confirmed" not in json.loads((out / "spec_max_batch_size=0,max_tokens=2" / "results.json").read_text())
 
 
 def test_parse_grid_refuses_a_point_given_twice():
