@@ -35,7 +35,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """
     path = Path(path)
     cfg = load_config(path)
-    dtype = resolve_dtype(dtype, read_json(path / "config.json"))
+    dtype = resolve_dtype(dtype, read_json(path / "config.json") if dtype == "auto" else {})
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: v.shape for k, v in checkpoint_state(model).items()}  # checkpoint names
