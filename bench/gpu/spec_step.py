@@ -4,7 +4,7 @@
 random bfloat16 weights made on the GPU (issue 5, item 4).
 
     python bench/gpu/spec_step.py --out bench/results/spec_step.json
-    python bench/gpu/spec_step.py --prompt-len 4096 --batch-sizes --out bench/results/spec_step_4k.json
+    python bench/gpu/spec_step.py --prompt-len 4096 --batch-sizes --out bench/results/spec_step_ctx4096.json
     python bench/gpu/spec_step.py --tiny --out /tmp/spec_step.json   # CPU smoke run
 
 ``--batch-sizes`` with no sizes leaves the tokens/s out: each of those runs prefills its prompts,

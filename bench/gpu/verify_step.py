@@ -2,7 +2,7 @@
 a cached prefix, on a Llama-3.1-8B-shaped model with random bfloat16 weights (issue 5, item 4).
 
     python bench/gpu/verify_step.py --out bench/results/verify_step.json
-    python bench/gpu/verify_step.py --prefix-len 4096 --out bench/results/verify_step_4k.json
+    python bench/gpu/verify_step.py --prefix-len 4096 --out bench/results/verify_step_ctx4096.json
     python bench/gpu/verify_step.py --tiny --out /tmp/verify_step.json   # CPU smoke run
 
 Both are ``runner.extend`` calls with logits for every new token, as the engine makes them: the
