@@ -107,6 +107,10 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     log_dir: str | None = None             # loss curves and resolved config (default runs/train/<name>)
 
+    def log_path(self) -> Path:
+        """``log_dir``, or its default runs/train/<name>."""
+        return Path(self.log_dir or Path("runs/train") / self.name)
+
 
 @dataclass
 class TrainJob:

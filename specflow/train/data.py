@@ -9,6 +9,7 @@ is held out (never trained on; the source of evaluation prompts).
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import sysconfig
 import time
@@ -145,10 +146,12 @@ def target_tokenizer(target: str | Path):
 
 
 def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None, seed: int,
-                    vocab_size: int | None = None) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
+                    vocab_size: int | None = None,
+                    cache: Path | None = None) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
     """Training chunks of the corpus (or of target-written continuations), validation chunks of
     the held-out files (None when too few), and provenance for the run's summary. ``vocab_size``:
-    the target's, which every token id of the corpus must be below."""
+    the target's, which every token id of the corpus must be below; ``cache``: the directory that
+    keeps the continuations (``cached_continuations``)."""
     corpus, train, val = corpus_streams(cfg, tokenizer)
     top = max((int(t.max()) for t in (train, val) if len(t)), default=-1)
     if vocab_size is not None and top >= vocab_size:  # (else an IndexError in the target's first forward)
@@ -158,16 +161,49 @@ def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None, seed:
     if cfg.generated_tokens:
         if target is None:
             raise ConfigError("data.generated_tokens needs a 'target' checkpoint to generate with")
-        # (minutes on a CPU, so say what runs; under DDP every process generates the same data)
-        print(f"generating {cfg.generated_tokens} tokens of {target}'s continuations (data.generated_tokens)",
-              file=sys.stderr, flush=True)
-        start = time.time()
-        generated = generate_continuations(target, train, cfg, seed)
-        info |= {"generated_tokens": len(generated), "generate_s": round(time.time() - start, 1)}
+        generated, made = cached_continuations(target, train, cfg, seed, cache)
+        info |= {"generated_tokens": len(generated), **made}
         train = torch.cat([train, generated]) if cfg.keep_corpus else generated
     info["train_tokens"] = len(train)
     val_data = ChunkDataset(val, cfg.seq_len) if len(val) > cfg.seq_len else None
     return ChunkDataset(train, cfg.seq_len), val_data, info
+
+
+def cached_continuations(target: str | Path, tokens: Tensor, cfg: DataConfig, seed: int,
+                         cache: Path | None) -> tuple[Tensor, dict]:
+    """``generate_continuations``, kept in ``cache`` under a key of all they depend on (the target's
+    files, the corpus tokens, the generation settings, the seed), and provenance: a resumed run
+    reads the very tokens the interrupted run trained on (a GPU need not write them again bit for
+    bit) instead of generating them for hours again."""
+    file = cache / f"{continuations_key(target, tokens, cfg, seed)}.pt" if cache is not None else None
+    if file is not None and file.is_file():
+        return torch.load(file), {"generated_cache": str(file)}
+    # (minutes on a CPU, so say what runs; under DDP every process generates the same data)
+    print(f"generating {cfg.generated_tokens} tokens of {target}'s continuations (data.generated_tokens)",
+          file=sys.stderr, flush=True)
+    start = time.time()
+    generated = generate_continuations(target, tokens, cfg, seed)
+    made = {"generate_s": round(time.time() - start, 1)}
+    if file is not None:  # (DDP processes write the same file: each its own, renamed into place)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        part = file.with_suffix(f".{os.getpid()}.part")
+        torch.save(generated, part)
+        os.replace(part, file)
+        made["generated_cache"] = str(file)
+    return generated, made
+
+
+def continuations_key(target: str | Path, tokens: Tensor, cfg: DataConfig, seed: int) -> str:
+    """What the continuations of ``generate_continuations`` depend on, hashed: the target's files
+    (name, size, modification time), the corpus tokens, the generation settings and the seed."""
+    h = hashlib.sha256()
+    for f in sorted(Path(target).iterdir()):
+        if f.is_file():
+            h.update(f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}\n".encode())
+    h.update(tokens.numpy().tobytes())
+    h.update(repr([cfg.generated_tokens, cfg.generate_prompt_len, cfg.generate_len, cfg.generate_temperature,
+                   cfg.generate_batch_size, seed]).encode())
+    return h.hexdigest()[:20]
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ def head_data(run: TrainConfig, recipe: str) -> HeadData:
     tokenizer = target_tokenizer(run.target)
     target = frozen_target(run.target, run.trainer.precision)
     train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
-                                       vocab_size=target.config.vocab_size)
+                                       vocab_size=target.config.vocab_size, cache=run.log_path() / "generated")
     return HeadData(target, train, val, info)
 
 

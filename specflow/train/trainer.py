@@ -38,7 +38,7 @@ def train(run: TrainConfig) -> TrainResult:
         torch.set_num_threads(run.trainer.num_threads)
     L.seed_everything(run.seed, workers=True, verbose=False)
     recipe = build_component(RECIPES, run.recipe, "train.recipe")
-    log_dir = Path(run.log_dir or Path("runs/train") / run.name)
+    log_dir = run.log_path()
     t = run.trainer
     checkpoints = log_dir / "checkpoints"
     resume = checkpoints / "last.ckpt" if t.resume == "last" else t.resume

@@ -1,5 +1,7 @@
 """Training data: a deterministic corpus split with provenance, and next-token windows."""
 
+import shutil
+
 import torch
 
 from specflow.request import RequestOutput
@@ -51,3 +53,30 @@ def test_sampled_continuations_of_one_window_differ(tiny_target):
             samples.append(tuple(sample))
             sample = []
     assert len(samples) >= 4 and len(set(samples)) > 1, samples
+
+
+def test_continuations_are_kept_for_a_resumed_run_and_made_anew_when_what_they_depend_on_changes(
+        tiny_target, tmp_path, monkeypatch):
+    """(a resumed EAGLE-3 run generated its data again: hours for a real target, and on a GPU
+    not bit for bit the tokens the interrupted run trained on)"""
+    from specflow.train import data
+
+    tiny_target = shutil.copytree(tiny_target, tmp_path / "target")   # (its files' times change below)
+    made = []
+    generate = data.generate_continuations
+    monkeypatch.setattr(data, "generate_continuations", lambda *a: made.append(a[3]) or generate(*a, device="cpu"))
+    cfg = DataConfig(generated_tokens=40, generate_prompt_len=2, generate_len=8, generate_temperature=1.0)
+    tokens, cache = torch.arange(3, 60), tmp_path / "generated"
+    first, info = data.cached_continuations(tiny_target, tokens, cfg, 0, cache)
+    again, info_again = data.cached_continuations(tiny_target, tokens, cfg, 0, cache)
+    assert made == [0] and torch.equal(first, again) and len(first) == 40
+    assert info["generated_cache"] == info_again["generated_cache"] and "generate_s" not in info_again
+    data.cached_continuations(tiny_target, tokens, cfg, 1, cache)             # another seed
+    data.cached_continuations(tiny_target, tokens[1:], cfg, 0, cache)         # another corpus
+    data.cached_continuations(tiny_target, tokens, DataConfig(generated_tokens=40, generate_prompt_len=2,
+                                                              generate_len=9, generate_temperature=1.0), 0, cache)
+    (tiny_target / "config.json").touch()                                     # the target changed (its files)
+    data.cached_continuations(tiny_target, tokens, cfg, 0, cache)
+    assert made == [0, 1, 0, 0, 0] and len(list(cache.glob("*.pt"))) == 5 and not list(cache.glob("*.part"))
+    data.cached_continuations(tiny_target, tokens, cfg, 0, None)              # no cache: made, nothing kept
+    assert len(made) == 6 and len(list(cache.iterdir())) == 5

@@ -20,6 +20,7 @@ def test_trained_eagle3_head_is_accepted_far_more_often(tmp_path, trained_target
     recipe = {"type": "eagle3", "draft_vocab_size": 160, "taps": [0, 1], "unroll": 3}
     cfg = tiny_config(tmp_path, recipe, target=trained_target, steps=HEAD_STEPS, data=GENERATED)
     result = train(cfg)
+    assert result.summary["generated_cache"].startswith(str(tmp_path / "log" / "generated"))  # (for a resume)
     for k in range(3):
         ce = logged(tmp_path / "log", f"train/ce_{k}")
         assert ce[-1] < 0.8 * ce[0], (k, ce)
