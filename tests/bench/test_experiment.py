@@ -93,6 +93,10 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
     assert "sampling:\n  temperature: 0.0\n  top_k: -1" in (out / "config.yaml").read_text()
     assert "max_tokens: 6" in (out / "config.yaml").read_text()
     assert "| self-eagle2 | yes |" in (out / "results.md").read_text()
+    per_prompt = {p: results["pipelines"][p]["speedup_mean_per_prompt"] for p in ("pld", "self-eagle2")}
+    assert (f"Spec-Bench's speedup (the mean of per-prompt tokens/s over the baseline's; the table's is total tokens "
+            f"over total time, each side): pld {per_prompt['pld']:.2f}x, self-eagle2 {per_prompt['self-eagle2']:.2f}x."
+            in (out / "results.md").read_text())
     assert (out / "speedup.png").stat().st_size > 0
 
     # every prompt's row, and with engine.record_steps every step of every request
@@ -132,6 +136,7 @@ def test_run_writes_results_against_the_same_run_baseline(tmp_path, tiny_target)
         assert all("tokens_per_s" not in c and "speedup" not in c and c["accept_length"] >= 1
                    for c in stats["categories"].values())
     report = (tmp_path / "runs" / "sampled" / "results.md").read_text()
+    assert "Spec-Bench's speedup" not in report   # (two prompts a batch: no prompt's own time)
     assert re.search(r"\| pld \| \d\.\d\d / - \| \d\.\d\d / - \|", report)
     assert '"-": the category shares its batches with other categories' in report
 
