@@ -15,6 +15,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -25,6 +26,9 @@ from specflow.engine import SpecEngine
 from specflow.models import load_tokenizer
 from specflow.request import RequestOutput
 from specflow.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specflow.train.config import TrainConfig   # (which imports DataConfig from here)
 
 
 @dataclass
@@ -145,13 +149,13 @@ def target_tokenizer(target: str | Path):
     return tokenizer
 
 
-def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None, seed: int,
-                    vocab_size: int | None = None,
-                    cache: Path | None = None) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
-    """Training chunks of the corpus (or of target-written continuations), validation chunks of
-    the held-out files (None when too few), and provenance for the run's summary. ``vocab_size``:
-    the target's, which every token id of the corpus must be below; ``cache``: the directory that
-    keeps the continuations (``cached_continuations``)."""
+def training_chunks(run: TrainConfig, tokenizer,
+                    vocab_size: int | None = None) -> tuple[ChunkDataset, ChunkDataset | None, dict]:
+    """Training chunks of ``run.data``'s corpus (or of continuations ``run.target`` writes, kept in
+    <log_dir>/generated: ``cached_continuations``), validation chunks of the held-out files (None
+    when too few), and provenance for the run's summary. ``vocab_size``: the target's, which every
+    token id of the corpus must be below."""
+    cfg, target = run.data, run.target
     corpus, train, val = corpus_streams(cfg, tokenizer)
     top = max((int(t.max()) for t in (train, val) if len(t)), default=-1)
     if vocab_size is not None and top >= vocab_size:  # (else an IndexError in the target's first forward)
@@ -161,7 +165,7 @@ def training_chunks(cfg: DataConfig, tokenizer, target: str | Path | None, seed:
     if cfg.generated_tokens:
         if target is None:
             raise ConfigError("data.generated_tokens needs a 'target' checkpoint to generate with")
-        generated, made = cached_continuations(target, train, cfg, seed, cache)
+        generated, made = cached_continuations(target, train, cfg, run.seed, run.log_path() / "generated")
         info |= {"generated_tokens": len(generated), **made}
         train = torch.cat([train, generated]) if cfg.keep_corpus else generated
     info["train_tokens"] = len(train)

@@ -33,8 +33,7 @@ def head_data(run: TrainConfig, recipe: str) -> HeadData:
         raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
     tokenizer = target_tokenizer(run.target)
     target = frozen_target(run.target, run.trainer.precision)
-    train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
-                                       vocab_size=target.config.vocab_size, cache=run.log_path() / "generated")
+    train, val, info = training_chunks(run, tokenizer, vocab_size=target.config.vocab_size)
     return HeadData(target, train, val, info)
 
 

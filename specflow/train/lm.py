@@ -155,8 +155,7 @@ class LMRecipe:
 
     def setup(self, run: TrainConfig) -> TrainJob:
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer)
-        train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
-                                           cache=run.log_path() / "generated")
+        train, val, info = training_chunks(run, tokenizer)
         model = build_llama(self.cfg.model, len(tokenizer), tokenizer.eos_token_id, run.seed)
         self.model_config = model.config
         info["params"] = count_params(model)
@@ -182,8 +181,7 @@ class DistillRecipe:
             raise ConfigError("recipe 'distill' needs 'target': the checkpoint to distil from")
         tokenizer = target_tokenizer(run.target)
         teacher = frozen_target(run.target, run.trainer.precision)
-        train, val, info = training_chunks(run.data, tokenizer, run.target, run.seed,
-                                           vocab_size=teacher.config.vocab_size, cache=run.log_path() / "generated")
+        train, val, info = training_chunks(run, tokenizer, vocab_size=teacher.config.vocab_size)
         model = build_llama(self.cfg.model, teacher.config.vocab_size, tokenizer.eos_token_id, run.seed)
         self.model_config = model.config
         info["params"] = count_params(model)
