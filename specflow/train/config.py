@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -91,6 +92,13 @@ class TrainerConfig:
             check_at_least(self, 1, "max_steps")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm '{self.gradient_clip_algorithm}' is not one of norm, value")
+
+    def compute_dtype(self) -> torch.dtype:
+        """What ``precision`` computes in: bfloat16 or float16 under "bf16-mixed", "16-mixed",
+        "bf16-true" and the like, float32 otherwise. A frozen target loads in it (its matmuls run
+        in it under autocast anyway, and an 8B target then holds 16 GB, not 32), and writes the
+        training continuations in it."""
+        return {"bf16": torch.bfloat16, "16": torch.float16}.get(str(self.precision).split("-")[0], torch.float32)
 
 
 @dataclass

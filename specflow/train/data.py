@@ -165,7 +165,8 @@ def training_chunks(run: TrainConfig, tokenizer,
     if cfg.generated_tokens:
         if target is None:
             raise ConfigError("data.generated_tokens needs a 'target' checkpoint to generate with")
-        generated, made = cached_continuations(target, train, cfg, run.seed, run.log_path() / "generated")
+        generated, made = cached_continuations(target, train, cfg, run.seed, run.log_path() / "generated",
+                                               run.trainer.compute_dtype())
         info |= {"generated_tokens": len(generated), **made}
         train = torch.cat([train, generated]) if cfg.keep_corpus else generated
     info["train_tokens"] = len(train)
@@ -174,19 +175,19 @@ def training_chunks(run: TrainConfig, tokenizer,
 
 
 def cached_continuations(target: str | Path, tokens: Tensor, cfg: DataConfig, seed: int,
-                         cache: Path | None) -> tuple[Tensor, dict]:
+                         cache: Path | None, dtype: torch.dtype = torch.float32) -> tuple[Tensor, dict]:
     """``generate_continuations``, kept in ``cache`` under a key of all they depend on (the target's
-    files, the corpus tokens, the generation settings, the seed), and provenance: a resumed run
+    files, the corpus tokens, the generation settings, the seed, the dtype), and provenance: a resumed run
     reads the very tokens the interrupted run trained on (a GPU need not write them again bit for
     bit) instead of generating them for hours again."""
-    file = cache / f"{continuations_key(target, tokens, cfg, seed)}.pt" if cache is not None else None
+    file = cache / f"{continuations_key(target, tokens, cfg, seed, dtype)}.pt" if cache is not None else None
     if file is not None and file.is_file():
         return torch.load(file), {"generated_cache": str(file)}
     # (minutes on a CPU, so say what runs; under DDP every process generates the same data)
     print(f"generating {cfg.generated_tokens} tokens of {target}'s continuations (data.generated_tokens)",
           file=sys.stderr, flush=True)
     start = time.time()
-    generated = generate_continuations(target, tokens, cfg, seed)
+    generated = generate_continuations(target, tokens, cfg, seed, dtype=dtype)
     made = {"generate_s": round(time.time() - start, 1)}
     if file is not None:  # (DDP processes write the same file: each its own, renamed into place)
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -197,28 +198,28 @@ def cached_continuations(target: str | Path, tokens: Tensor, cfg: DataConfig, se
     return generated, made
 
 
-def continuations_key(target: str | Path, tokens: Tensor, cfg: DataConfig, seed: int) -> str:
+def continuations_key(target: str | Path, tokens: Tensor, cfg: DataConfig, seed: int, dtype: torch.dtype) -> str:
     """What the continuations of ``generate_continuations`` depend on, hashed: the target's files
-    (name, size, modification time), the corpus tokens, the generation settings and the seed."""
+    (name, size, modification time), the corpus tokens, the generation settings, the seed, the dtype."""
     h = hashlib.sha256()
     for f in sorted(Path(target).iterdir()):
         if f.is_file():
             h.update(f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}\n".encode())
     h.update(tokens.numpy().tobytes())
     h.update(repr([cfg.generated_tokens, cfg.generate_prompt_len, cfg.generate_len, cfg.generate_temperature,
-                   cfg.generate_batch_size, seed]).encode())
+                   cfg.generate_batch_size, seed, str(dtype)]).encode())
     return h.hexdigest()[:20]
 
 
 @torch.inference_mode()
 def generate_continuations(target_path: str | Path, tokens: Tensor, cfg: DataConfig, seed: int,
-                           device: str = "auto") -> Tensor:
-    """Continuations the target writes from random corpus windows, as one flat stream with EOS
-    between them: ``cfg.generated_tokens`` tokens of (prompt + response) text."""
+                           device: str = "auto", dtype: torch.dtype = torch.float32) -> Tensor:
+    """Continuations the target (run in ``dtype``) writes from random corpus windows, as one flat
+    stream with EOS between them: ``cfg.generated_tokens`` tokens of (prompt + response) text."""
     if len(tokens) <= cfg.generate_prompt_len:
         raise ConfigError(f"train.data.generate_prompt_len: {cfg.generate_prompt_len}, but the corpus holds "
                           f"{len(tokens)} tokens: prompts are windows of it; lower it or give more data")
-    engine = SpecEngine(target_path, drafter=None, device=device, dtype="float32",
+    engine = SpecEngine(target_path, drafter=None, device=device, dtype=dtype,
                         kv_cache_tokens=cfg.generate_batch_size * (cfg.generate_prompt_len + cfg.generate_len + 8),
                         max_batch_size=cfg.generate_batch_size)
     eos = engine.tokenizer.eos_token_id

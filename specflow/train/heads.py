@@ -27,12 +27,12 @@ class HeadData:
 
 
 def head_data(run: TrainConfig, recipe: str) -> HeadData:
-    """Load ``run.target`` (frozen, in the dtype ``run.trainer.precision`` computes in) and cut its
-    tokenizer's view of the data into chunks."""
+    """Load ``run.target`` (frozen, in the dtype the run computes in) and cut its tokenizer's view of
+    the data into chunks."""
     if run.target is None:
         raise ConfigError(f"recipe '{recipe}' needs 'target': the checkpoint the head drafts for")
     tokenizer = target_tokenizer(run.target)
-    target = frozen_target(run.target, run.trainer.precision)
+    target = frozen_target(run.target, run.trainer.compute_dtype())
     train, val, info = training_chunks(run, tokenizer, vocab_size=target.config.vocab_size)
     return HeadData(target, train, val, info)
 

@@ -180,7 +180,7 @@ class DistillRecipe:
         if run.target is None:
             raise ConfigError("recipe 'distill' needs 'target': the checkpoint to distil from")
         tokenizer = target_tokenizer(run.target)
-        teacher = frozen_target(run.target, run.trainer.precision)
+        teacher = frozen_target(run.target, run.trainer.compute_dtype())
         train, val, info = training_chunks(run, tokenizer, vocab_size=teacher.config.vocab_size)
         model = build_llama(self.cfg.model, teacher.config.vocab_size, tokenizer.eos_token_id, run.seed)
         self.model_config = model.config

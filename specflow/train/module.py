@@ -75,11 +75,6 @@ def frozen(model: nn.Module) -> nn.Module:
     return model.requires_grad_(False).eval()
 
 
-HALF = {"bf16": torch.bfloat16, "16": torch.float16}  # Lightning precision -> what it computes in
-
-
-def frozen_target(path: str | Path, precision: str) -> LlamaForCausalLM:
-    """The checkpoint at ``path``, frozen, in the dtype Lightning's ``precision`` computes in:
-    bfloat16 or float16 under "bf16-mixed", "16-mixed", "bf16-true" and the like (its matmuls run
-    in half under autocast anyway, and an 8B target then holds 16 GB, not 32), float32 otherwise."""
-    return frozen(load_model(path, dtype=HALF.get(str(precision).split("-")[0], torch.float32)))
+def frozen_target(path: str | Path, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The checkpoint at ``path``, frozen, in ``dtype`` (``TrainerConfig.compute_dtype``)."""
+    return frozen(load_model(path, dtype=dtype))

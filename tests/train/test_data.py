@@ -64,7 +64,8 @@ def test_continuations_are_kept_for_a_resumed_run_and_made_anew_when_what_they_d
     tiny_target = shutil.copytree(tiny_target, tmp_path / "target")   # (its files' times change below)
     made = []
     generate = data.generate_continuations
-    monkeypatch.setattr(data, "generate_continuations", lambda *a: made.append(a[3]) or generate(*a, device="cpu"))
+    monkeypatch.setattr(data, "generate_continuations",
+                        lambda *a, **kw: made.append(a[3]) or generate(*a, device="cpu", **kw))
     cfg = DataConfig(generated_tokens=40, generate_prompt_len=2, generate_len=8, generate_temperature=1.0)
     tokens, cache = torch.arange(3, 60), tmp_path / "generated"
     first, info = data.cached_continuations(tiny_target, tokens, cfg, 0, cache)
@@ -75,8 +76,9 @@ def test_continuations_are_kept_for_a_resumed_run_and_made_anew_when_what_they_d
     data.cached_continuations(tiny_target, tokens[1:], cfg, 0, cache)         # another corpus
     data.cached_continuations(tiny_target, tokens, DataConfig(generated_tokens=40, generate_prompt_len=2,
                                                               generate_len=9, generate_temperature=1.0), 0, cache)
+    data.cached_continuations(tiny_target, tokens, cfg, 0, cache, torch.bfloat16)  # (trainer.precision bf16-*)
     (tiny_target / "config.json").touch()                                     # the target changed (its files)
     data.cached_continuations(tiny_target, tokens, cfg, 0, cache)
-    assert made == [0, 1, 0, 0, 0] and len(list(cache.glob("*.pt"))) == 5 and not list(cache.glob("*.part"))
+    assert made == [0, 1, 0, 0, 0, 0] and len(list(cache.glob("*.pt"))) == 6 and not list(cache.glob("*.part"))
     data.cached_continuations(tiny_target, tokens, cfg, 0, None)              # no cache: made, nothing kept
-    assert len(made) == 6 and len(list(cache.iterdir())) == 5
+    assert len(made) == 7 and len(list(cache.iterdir())) == 6

@@ -13,6 +13,7 @@ from specflow.models import load_model, loader
 from specflow.models.eagle import load_eagle
 from specflow.models.eagle3 import load_eagle3
 from specflow.models.medusa import load_medusa
+from specflow.train import data as train_data
 from specflow.train import train
 from specflow.train.trainer import StepTimer
 from tests.train.runs import tiny_config
@@ -158,10 +159,15 @@ def test_a_head_export_reads_the_target_weights_no_second_time(recipe, tmp_path,
 @pytest.mark.parametrize("recipe", [{"type": "eagle"}, {"type": "eagle3", "taps": [1]},
                                     {"type": "medusa", "num_heads": 2}, {"type": "distill", "model": SHAPE}],
                          ids=lambda r: r["type"])
-def test_the_frozen_target_is_loaded_in_the_dtype_the_run_computes_in(recipe, tmp_path, tiny_target):
+def test_the_frozen_target_is_loaded_in_the_dtype_the_run_computes_in(recipe, tmp_path, tiny_target, monkeypatch):
     """(a head recipe loaded its target in float32 whatever the precision: an 8B target held 32 GB
-    under bf16-mixed, whose matmuls run in bfloat16 anyway); the trained weights stay float32"""
+    under bf16-mixed, whose matmuls run in bfloat16 anyway); the trained weights stay float32, and
+    EAGLE-3's continuations are written in that dtype too"""
     data = {"generated_tokens": 1200} if recipe["type"] == "eagle3" else None
+    written = []   # the dtype of each generate_continuations call
+    generate = train_data.generate_continuations
+    monkeypatch.setattr(train_data, "generate_continuations",
+                        lambda *a, dtype, **kw: written.append(dtype) or generate(*a, dtype=dtype, **kw))
     for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
         cfg = tiny_config(tmp_path / precision, recipe, target=tiny_target, steps=2, data=data,
                           trainer_extra={"precision": precision, "log_every_n_steps": 1})
@@ -172,3 +178,5 @@ def test_the_frozen_target_is_loaded_in_the_dtype_the_run_computes_in(recipe, tm
         losses = [float(r["train/loss"]) for r in csv.DictReader((tmp_path / precision / "log" / "metrics.csv").open())
                   if r.get("train/loss")]
         assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    if recipe["type"] == "eagle3":
+        assert written == [torch.bfloat16, torch.float32]
