@@ -6,6 +6,7 @@ pipeline that cannot load shows a message instead of a traceback.
 """
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -205,8 +206,14 @@ def test_plain_decoding_shows_only_the_drafter_field_and_runs(page):
     assert page.locator("#verifier-type-a").is_visible() and page.locator("#depth-a").is_visible()
 
 
-def test_a_step_replayed_during_a_run_stays_shown_while_the_run_goes_on(page):
+def test_a_step_replayed_during_a_run_stays_shown_while_the_run_goes_on(page, monkeypatch):
     """(each frame of the run put the slider and tree back on the last step, under the user's drag)"""
+    from specflow.app.session import Lane
+
+    # a larger model's pace (the app runs in this process): the run must outlast the pin, and the
+    # tiny target's 128 steps once ended before it landed on a fast machine
+    advance = Lane.advance
+    monkeypatch.setattr(Lane, "advance", lambda lane: time.sleep(0.01) or advance(lane))
     start_a_long_run(page)
     page.wait_for_function("Number(document.querySelector('#tree-a svg.draft-tree')?.dataset.step) >= 2",
                            timeout=WAIT_MS)
