@@ -131,6 +131,17 @@ def ask_for_512_tokens(page) -> None:
                            timeout=WAIT_MS)
 
 
+@pytest.fixture
+def paced(monkeypatch):
+    """Engine steps at a larger model's pace (the app runs in this process), so that a long run
+    outlasts what a test does during it: on a fast machine the tiny target's 128 steps once ended
+    before a replayed step landed."""
+    from specflow.app.session import Lane
+
+    advance = Lane.advance
+    monkeypatch.setattr(Lane, "advance", lambda lane: time.sleep(0.01) or advance(lane))
+
+
 def start_a_long_run(page) -> None:
     """Generate 512 tokens and return once the run is under way."""
     ask_for_512_tokens(page)
@@ -151,7 +162,7 @@ def test_stop_in_one_tab_leaves_another_tab_s_run_alone(browser, app_url):
         p.close()
 
 
-def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url):
+def test_stop_pressed_while_the_run_is_queued_stops_it(browser, app_url, paced):
     """A Stop pressed while a run waits behind another tab's holds when it starts (it was cleared
     as the run started)."""
     running, queued = browser.new_page(), browser.new_page()
@@ -206,14 +217,8 @@ def test_plain_decoding_shows_only_the_drafter_field_and_runs(page):
     assert page.locator("#verifier-type-a").is_visible() and page.locator("#depth-a").is_visible()
 
 
-def test_a_step_replayed_during_a_run_stays_shown_while_the_run_goes_on(page, monkeypatch):
+def test_a_step_replayed_during_a_run_stays_shown_while_the_run_goes_on(page, paced):
     """(each frame of the run put the slider and tree back on the last step, under the user's drag)"""
-    from specflow.app.session import Lane
-
-    # a larger model's pace (the app runs in this process): the run must outlast the pin, and the
-    # tiny target's 128 steps once ended before it landed on a fast machine
-    advance = Lane.advance
-    monkeypatch.setattr(Lane, "advance", lambda lane: time.sleep(0.01) or advance(lane))
     start_a_long_run(page)
     page.wait_for_function("Number(document.querySelector('#tree-a svg.draft-tree')?.dataset.step) >= 2",
                            timeout=WAIT_MS)
