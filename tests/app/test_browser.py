@@ -122,13 +122,21 @@ def test_the_same_pipeline_in_both_lanes_runs_twice(page):
 
 
 def ask_for_512_tokens(page) -> None:
-    """Set max_tokens to 512 and wait until the slider itself holds it: a click on Generate sends the
-    slider's value (once, on a loaded CI machine, a run went with the default 16 tokens)."""
+    """Set max_tokens to 512, until the slider itself holds it: a click on Generate sends the
+    slider's value, and on loaded CI machines a fill right after the accordion opened was sometimes
+    lost (a run went with the default 16 tokens; the slider never read 512)."""
     page.get_by_text("sampling", exact=True).click()   # (the accordion)
-    page.locator("#max-tokens input[type=number]").fill("512")
-    page.locator("#max-tokens input[type=number]").press("Enter")
-    page.wait_for_function("document.querySelector('#max-tokens input[type=range]')?.value === '512'",
-                           timeout=WAIT_MS)
+    number = page.locator("#max-tokens input[type=number]")
+    for _ in range(20):
+        number.fill("512")
+        number.press("Enter")
+        try:
+            page.wait_for_function("document.querySelector('#max-tokens input[type=range]')?.value === '512'",
+                                   timeout=2_000)
+            return
+        except sync_api.TimeoutError:
+            pass
+    raise AssertionError("the max_tokens slider never took 512")
 
 
 @pytest.fixture
