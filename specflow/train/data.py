@@ -204,7 +204,8 @@ def continuations_key(target: str | Path, tokens: Tensor, cfg: DataConfig, seed:
     h = hashlib.sha256()
     for f in sorted(Path(target).iterdir()):
         if f.is_file():
-            h.update(f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}\n".encode())
+            stat = f.stat()
+            h.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
     h.update(tokens.numpy().tobytes())
     h.update(repr([cfg.generated_tokens, cfg.generate_prompt_len, cfg.generate_len, cfg.generate_temperature,
                    cfg.generate_batch_size, seed, str(dtype)]).encode())
